@@ -1,0 +1,227 @@
+"""The ``Profile`` data type: one training step, measured or estimated.
+
+A profile is data: it is saved as JSON (``docs/profile-format.md``) and loaded
+with :func:`json.loads` plus validation, never with pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "HardwareSpec",
+    "OpRecord",
+    "Profile",
+    "ProfileError",
+    "StaticMemory",
+    "UnitRecord",
+]
+
+PROFILE_FORMAT = "adaptive-mem-profile"
+PROFILE_VERSION = 1
+
+
+class ProfileError(ValueError):
+    """A profile file or dict is not of the documented form."""
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    name: str
+    """Short name: ``h100``, ``a100``, ``ascend-910b``, ``cpu``..."""
+    peak_flops: float
+    """Dense matmul throughput in FLOP/s for the profiled dtype."""
+    memory_bandwidth: float
+    """Device memory bandwidth in bytes/s."""
+    h2d_bandwidth: float
+    """Host-to-device copy bandwidth in bytes/s (pinned host memory)."""
+    d2h_bandwidth: float
+    """Device-to-host copy bandwidth in bytes/s (pinned host memory)."""
+    device_memory: int
+    """Device memory capacity in bytes."""
+    source: str = ""
+    """Where the numbers come from (datasheet, measurement)."""
+
+
+@dataclass(frozen=True)
+class StaticMemory:
+    parameters: int
+    """Bytes of model parameters."""
+    gradients: int
+    """Bytes of parameter gradients."""
+    optimizer_state: int
+    """Bytes of optimizer state (Adam: two fp32 moments per parameter when not given)."""
+    optimizer: str = "adam"
+    """Optimizer the state size was computed for."""
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer_state
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    index: int
+    """Position in forward order (0-based), over non-view ops."""
+    op: str
+    """Aten overload, e.g. ``aten.mm.default``."""
+    unit: str
+    """Unit name the op belongs to."""
+    module: str
+    """Path of the innermost module running the op ("" for the root)."""
+    layer: int | None
+    """Index of the repeated block, or None outside the blocks."""
+    output_bytes: int
+    """Bytes of new storage the op allocates for its outputs."""
+    saved_bytes: int
+    """Bytes of the op's outputs that autograd saves for backward (deduplicated by storage)."""
+    fwd_time: float
+    """Forward seconds (measured, or estimated on fake tensors)."""
+    bwd_time: float
+    """Backward seconds of the autograd node(s) this op created."""
+    flops: int
+    """Forward FLOPs (``torch.utils.flop_counter`` formulas)."""
+    consumers: list[int] = field(default_factory=list)
+    """Indices of later ops that read this op's outputs."""
+
+
+@dataclass(frozen=True)
+class UnitRecord:
+    name: str
+    """Full unit name, e.g. ``layers.3.feed_forward.w1.activation.silu``."""
+    local_name: str
+    """Name inside its layer, e.g. ``feed_forward.w1.activation.silu`` (== name outside layers)."""
+    layer: int | None
+    """Index of the repeated block, or None."""
+    ops: list[int]
+    """Indices of the unit's ops in ``Profile.ops``."""
+    output_bytes: int
+    """Sum of the ops' output bytes."""
+    saved_bytes: int
+    """Sum of the ops' saved bytes: what keeping this unit costs until its backward."""
+    fwd_time: float
+    """Forward seconds, sum over ops: what recomputing this unit costs."""
+    bwd_time: float
+    """Backward seconds, sum over ops."""
+    consumers: list[str] = field(default_factory=list)
+    """Names of later units that read this unit's outputs."""
+
+
+@dataclass
+class Profile:
+    model: dict[str, Any]
+    """What was profiled: ``spec``, ``fingerprint``, ``batch_size``, ``seq_len``, ``dtype``, ``parameters``."""
+    device: str
+    """``cpu`` / ``cuda`` / ``npu`` / ``meta`` (fake tensors)."""
+    measured: bool
+    """True when times were measured on a real device, False when estimated from the hardware spec."""
+    hardware: HardwareSpec
+    """Spec the estimates and the link bandwidth come from."""
+    layer_container: str | None
+    """Path of the repeated blocks' ModuleList, or None."""
+    num_layers: int
+    """Number of repeated blocks."""
+    static: StaticMemory
+    """Parameters, gradients, optimizer state."""
+    ops: list[OpRecord]
+    """Every non-view forward aten op, in order."""
+    units: list[UnitRecord]
+    """Ops grouped by unit, in order of first appearance."""
+    saved_input_bytes: int
+    """Saved bytes not produced by any forward op (model inputs)."""
+    peak_memory: int
+    """Measured (or fake-tracked) peak device bytes of the step, static memory included."""
+    step_time: float
+    """Seconds of the unprofiled step (measured) or the sum of estimates."""
+    link_source: str = "spec"
+    """``measured`` when h2d/d2h bandwidths were measured on this device, else ``spec``."""
+    version: int = PROFILE_VERSION
+    """Schema version."""
+
+    @property
+    def saved_bytes(self) -> int:
+        """Total activation bytes saved for backward."""
+        return sum(u.saved_bytes for u in self.units) + self.saved_input_bytes
+
+    def unit(self, name: str) -> UnitRecord:
+        for record in self.units:
+            if record.name == name:
+                return record
+        raise KeyError(name)
+
+    def layer_units(self, layer: int) -> list[UnitRecord]:
+        return [u for u in self.units if u.layer == layer]
+
+    # ---------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"format": PROFILE_FORMAT, **data}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Profile":
+        if not isinstance(data, dict):
+            raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != PROFILE_FORMAT:
+            raise ProfileError(f"profile.format={data.get('format')!r}: expected {PROFILE_FORMAT!r}")
+        if data.get("version") != PROFILE_VERSION:
+            raise ProfileError(f"profile.version={data.get('version')!r}: expected {PROFILE_VERSION}")
+        body = {k: v for k, v in data.items() if k != "format"}
+        body["hardware"] = _build(HardwareSpec, body.get("hardware"), "profile.hardware")
+        body["static"] = _build(StaticMemory, body.get("static"), "profile.static")
+        body["ops"] = [_build(OpRecord, op, f"profile.ops[{i}]") for i, op in enumerate(_list(body, "ops"))]
+        body["units"] = [_build(UnitRecord, u, f"profile.units[{i}]") for i, u in enumerate(_list(body, "units"))]
+        return _build(cls, body, "profile")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ProfileError(f"profile file {str(path)!r}: cannot read ({exc.strerror})") from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ProfileError(f"profile file {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        return cls.from_dict(data)
+
+
+_TYPES: dict[str, tuple[type, ...]] = {
+    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
+}
+
+
+def _list(body: dict[str, Any], key: str) -> list[Any]:
+    value = body.get(key)
+    if not isinstance(value, list):
+        raise ProfileError(f"profile.{key}={type(value).__name__}: expected a list")
+    return value
+
+
+def _build(kind: type, data: Any, where: str) -> Any:
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
+    known = {f.name: f for f in fields(kind)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise ProfileError(f"{where}.{unknown[0]}: unknown key; expected one of {sorted(known)}")
+    for name, f in known.items():
+        if name not in data:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise ProfileError(f"{where}.{name}: missing")
+        expected = str(f.type).split(" | ")
+        value = data[name]
+        scalar = [t for t in expected if t in _TYPES]
+        if scalar and len(scalar) == len(expected):
+            ok = any(isinstance(value, _TYPES[t]) and not (t != "bool" and isinstance(value, bool)) for t in scalar)
+            if not ok:
+                raise ProfileError(f"{where}.{name}={value!r}: expected {' or '.join(scalar)}")
+    return kind(**data)

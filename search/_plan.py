@@ -1,0 +1,204 @@
+"""The ``Plan`` data type: keep / recompute / swap for each unit of a model.
+
+Every solver returns a Plan, every config front-end produces one, and the
+executor applies one. The file form (YAML or JSON, same schema) is documented
+in ``docs/plan-format.md`` and loaded with safe parsers only.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import yaml
+
+__all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
+
+PLAN_FORMAT = "adaptive-mem-plan"
+PLAN_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan is not of the documented form, or does not fit the model it is applied to."""
+
+
+class Action(str, enum.Enum):
+    KEEP = "keep"
+    """Leave the saved activations on the device until backward."""
+    RECOMPUTE = "recompute"
+    """Drop them after forward and run the forward again before backward needs them."""
+    SWAP = "swap"
+    """Copy them to host memory after forward, prefetch them back before backward."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    """What to do with the target's saved activations."""
+    backward_prefetch: int = 1
+    """Swap only: the reload starts this many layers before the using layer's backward; 0 = when unpacked."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.action, Action):
+            object.__setattr__(self, "action", _action(self.action, "action"))
+        if isinstance(self.backward_prefetch, bool) or not isinstance(self.backward_prefetch, int) \
+                or self.backward_prefetch < 0:
+            raise PlanError(f"backward_prefetch={self.backward_prefetch!r}: expected an integer >= 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.action is Action.SWAP:
+            return {"action": self.action.value, "backward_prefetch": self.backward_prefetch}
+        return {"action": self.action.value}
+
+
+KEEP = Decision(Action.KEEP)
+
+
+def _action(value: Any, where: str) -> Action:
+    try:
+        return Action(value)
+    except ValueError:
+        raise PlanError(f"{where}={value!r}: expected one of keep, recompute, swap") from None
+
+
+def matches(target: str, unit: str) -> bool:
+    """A target names a unit, or a module path covering every unit below it."""
+    return not target or unit == target or unit.startswith(target + ".")
+
+
+@dataclass
+class Plan:
+    decisions: dict[str, Decision] = field(default_factory=dict)
+    """Target -> decision. A target is a unit name (``layers.3.feed_forward.mul``) or a module
+    path covering all units under it (``layers.3`` = the whole layer). Units matched by no
+    target are kept; the longest matching target decides."""
+    fingerprint: str | None = None
+    """Fingerprint of the model and input shapes the plan was made for; checked when applied."""
+    model: dict[str, Any] = field(default_factory=dict)
+    """Human-readable description of that model (spec, num_layers, batch_size, seq_len, dtype)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Free-form provenance: solver, budget, predicted peak and step time."""
+    groups: list[list[int]] = field(default_factory=list)
+    """Runs of consecutive layer indices checkpointed together as one unit (Megatron ``uniform``
+    with ``--recompute-num-layers`` > 1): only the first layer's input is saved. Every layer of a
+    group must be decided ``recompute`` as a whole layer."""
+    distribute_saved_activations: bool = False
+    """Shard the saved checkpoint inputs of recomputed layers across the default ``torch.distributed``
+    group and all-gather them in backward (Megatron ``--distribute-saved-activations``)."""
+    version: int = PLAN_VERSION
+    """Schema version."""
+
+    def decision_for(self, unit: str) -> Decision:
+        best: str | None = None
+        for target in self.decisions:
+            if matches(target, unit) and (best is None or len(target) > len(best)):
+                best = target
+        return KEEP if best is None else self.decisions[best]
+
+    def targets(self, action: Action) -> list[str]:
+        return [t for t, d in self.decisions.items() if d.action is action]
+
+    def check_targets(self, *, units: Iterable[str], modules: Iterable[str]) -> None:
+        """Raise :class:`PlanError` for a target that is neither a unit nor a module path."""
+        known = set(units) | set(modules)
+        for target in self.decisions:
+            if target not in known:
+                sample = ", ".join(sorted(u for u in known if "." in u)[:5])
+                raise PlanError(f"plan.decisions.{target!r}: no such unit or module; expected names like {sample}")
+
+    # ---------------------------------------------------------------- serialization
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "version": self.version,
+            "fingerprint": self.fingerprint,
+            "model": dict(self.model),
+            "decisions": {t: d.to_dict() for t, d in self.decisions.items()},
+            "groups": [list(g) for g in self.groups],
+            "distribute_saved_activations": self.distribute_saved_activations,
+            "meta": dict(self.meta),
+        }
+
+    def dumps(self, *, fmt: str = "yaml") -> str:
+        if fmt == "json":
+            return json.dumps(self.to_dict(), indent=1) + "\n"
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.write_text(self.dumps(fmt="json" if path.suffix == ".json" else "yaml"))
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Plan":
+        if not isinstance(data, dict):
+            raise PlanError(f"plan: expected a mapping, got {type(data).__name__}")
+        allowed = {"format", "version", "fingerprint", "model", "decisions", "groups", "distribute_saved_activations",
+                   "meta"}
+        for key in data:
+            if key not in allowed:
+                raise PlanError(f"plan.{key}: unknown key; expected one of {sorted(allowed)}")
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"plan.format={data.get('format')!r}: expected {PLAN_FORMAT!r}")
+        if data.get("version") != PLAN_VERSION:
+            raise PlanError(f"plan.version={data.get('version')!r}: expected {PLAN_VERSION}")
+        fingerprint = data.get("fingerprint")
+        if fingerprint is not None and not isinstance(fingerprint, str):
+            raise PlanError(f"plan.fingerprint={fingerprint!r}: expected a string or null")
+        for key in ("model", "meta"):
+            if not isinstance(data.get(key, {}), dict):
+                raise PlanError(f"plan.{key}={data[key]!r}: expected a mapping")
+        raw = data.get("decisions", {})
+        if not isinstance(raw, dict):
+            raise PlanError(f"plan.decisions={raw!r}: expected a mapping of unit or module name to decision")
+        decisions: dict[str, Decision] = {}
+        for target, spec in raw.items():
+            where = f"plan.decisions.{target}"
+            if not isinstance(target, str) or not target:
+                raise PlanError(f"plan.decisions key {target!r}: expected a unit or module name")
+            if isinstance(spec, str):
+                spec = {"action": spec}
+            if not isinstance(spec, dict):
+                raise PlanError(f"{where}={spec!r}: expected {{action: keep|recompute|swap, backward_prefetch: N}}")
+            extra = set(spec) - {"action", "backward_prefetch"}
+            if extra:
+                raise PlanError(f"{where}.{sorted(extra)[0]}: unknown key; expected action, backward_prefetch")
+            if "action" not in spec:
+                raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
+            action = _action(spec["action"], f"{where}.action")
+            prefetch = spec.get("backward_prefetch", 1)
+            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+                raise PlanError(f"{where}.backward_prefetch={prefetch!r}: expected an integer >= 0")
+            decisions[target] = Decision(action, prefetch)
+        groups = data.get("groups", [])
+        if not isinstance(groups, list) or not all(
+            isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
+            and g == list(range(g[0], g[0] + len(g))) for g in groups
+        ):
+            raise PlanError(f"plan.groups={groups!r}: expected a list of runs of consecutive layer indices")
+        distribute = data.get("distribute_saved_activations", False)
+        if not isinstance(distribute, bool):
+            raise PlanError(f"plan.distribute_saved_activations={distribute!r}: expected true or false")
+        return cls(decisions=decisions, fingerprint=fingerprint, model=dict(data.get("model", {})),
+                   meta=dict(data.get("meta", {})), groups=[list(g) for g in groups],
+                   distribute_saved_activations=distribute)
+
+    @classmethod
+    def loads(cls, text: str, *, source: str = "<string>") -> "Plan":
+        try:
+            data = yaml.safe_load(text)  # YAML is a superset of JSON
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}" if mark is not None else ""
+            raise PlanError(f"plan file {source!r}: not valid YAML/JSON{where}") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Plan":
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise PlanError(f"plan file {str(path)!r}: cannot read ({exc.strerror})") from None
+        return cls.loads(text, source=str(path))

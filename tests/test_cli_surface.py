@@ -1,0 +1,44 @@
+"""Freezes the command-line surface: subcommands and their flags.
+
+Changing a flag is a user-visible change: update this table on purpose.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from adaptive_mem._cli import build_parser
+
+COMMON = {"--debug", "--log-level", "-h", "--help"}
+
+# subcommand -> its flags (option strings, without the common ones); positionals as "<name>".
+EXPECTED: dict[str, set[str]] = {
+    "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
+                "--optimizer", "-o", "--output", "--top"},
+    "demo": {"--out"},
+}
+
+
+def _surface() -> dict[str, set[str]]:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    surface = {}
+    for name, child in sub.choices.items():
+        flags = set()
+        for action in child._actions:
+            if action.option_strings:
+                flags.update(action.option_strings)
+            else:
+                flags.add(f"<{action.dest}>")
+        surface[name] = flags - COMMON
+    return surface
+
+
+def test_subcommands_are_frozen():
+    assert set(_surface()) == set(EXPECTED)
+
+
+def test_flags_are_frozen():
+    surface = _surface()
+    for name, flags in EXPECTED.items():
+        assert surface[name] == flags, name
