@@ -18,6 +18,11 @@ __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 SUBCOMMANDS: tuple[str, ...] = (
     "adaptive_mem._cmd_profile",
     "adaptive_mem._cmd_demo",
+    "adaptive_mem._cmd_explain",
+    "adaptive_mem._cmd_search",
+    "adaptive_mem._cmd_simulate",
+    "adaptive_mem._cmd_pareto",
+    "adaptive_mem._cmd_run",
 )
 
 

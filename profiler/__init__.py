@@ -12,8 +12,32 @@ from ._profile import (
     UnitRecord,
 )
 from ._units import LayerInfo, UnitNamer, find_layers, is_view_op, op_label
+from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, measure_device, measure_link
+from ._recorder import OpEvent, Recorder
+from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_outputs
+from ._static import OPTIMIZERS, static_memory
+from ._step import StepTarget, profile_step
+from ._summary import format_summary
 
 __all__ = [
+    "HARDWARE",
+    "HardwareError",
+    "OPTIMIZERS",
+    "OpCounter",
+    "OpEvent",
+    "OpKey",
+    "Recorder",
+    "SavedOutputs",
+    "StepTarget",
+    "format_summary",
+    "hardware_spec",
+    "measure_cpu",
+    "measure_device",
+    "measure_link",
+    "profile_step",
+    "saved_output_units",
+    "saved_outputs",
+    "static_memory",
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
     "HardwareSpec",

@@ -58,10 +58,12 @@ class StaticMemory:
     """Bytes of optimizer state (Adam: two fp32 moments per parameter when not given)."""
     optimizer: str = "adam"
     """Optimizer the state size was computed for."""
+    buffers: int = 0
+    """Bytes of module buffers (e.g. rotary tables registered as buffers)."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_state
+        return self.parameters + self.buffers + self.gradients + self.optimizer_state
 
 
 @dataclass(frozen=True)
@@ -140,6 +142,8 @@ class Profile:
     """Seconds of the unprofiled step (measured) or the sum of estimates."""
     link_source: str = "spec"
     """``measured`` when h2d/d2h bandwidths were measured on this device, else ``spec``."""
+    unattributed_time: float = 0.0
+    """Backward seconds charged to no forward op (loss seed, gradient accumulation into ``.grad``)."""
     version: int = PROFILE_VERSION
     """Schema version."""
 
@@ -178,19 +182,42 @@ class Profile:
         body["static"] = _build(StaticMemory, body.get("static"), "profile.static")
         body["ops"] = [_build(OpRecord, op, f"profile.ops[{i}]") for i, op in enumerate(_list(body, "ops"))]
         body["units"] = [_build(UnitRecord, u, f"profile.units[{i}]") for i, u in enumerate(_list(body, "units"))]
-        return _build(cls, body, "profile")
+        profile = _build(cls, body, "profile")
+        _check_references(profile)
+        return profile
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ProfileError(f"profile file {str(path)!r}: cannot read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise ProfileError(f"profile file {str(path)!r}: not UTF-8 text; expected a JSON profile") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"profile file {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data)
+
+
+def _check_references(profile: Profile) -> None:
+    """Indices and names that point elsewhere in the profile must resolve."""
+    n = len(profile.ops)
+    for i, op in enumerate(profile.ops):
+        if op.index != i:
+            raise ProfileError(f"profile.ops[{i}].index={op.index}: expected {i} (ops are stored in order)")
+        bad = next((c for c in op.consumers if not i < c < n), None)
+        if bad is not None:
+            raise ProfileError(f"profile.ops[{i}].consumers: {bad}: expected a later op index below {n}")
+    names = {u.name for u in profile.units}
+    for j, unit in enumerate(profile.units):
+        bad = next((k for k in unit.ops if not 0 <= k < n or profile.ops[k].unit != unit.name), None)
+        if bad is not None:
+            raise ProfileError(f"profile.units[{j}].ops: {bad}: expected indices of ops of unit {unit.name!r}")
+        missing = next((c for c in unit.consumers if c not in names), None)
+        if missing is not None:
+            raise ProfileError(f"profile.units[{j}].consumers: {missing!r}: not a unit of this profile")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -217,11 +244,31 @@ def _build(kind: type, data: Any, where: str) -> Any:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue
             raise ProfileError(f"{where}.{name}: missing")
-        expected = str(f.type).split(" | ")
-        value = data[name]
-        scalar = [t for t in expected if t in _TYPES]
-        if scalar and len(scalar) == len(expected):
-            ok = any(isinstance(value, _TYPES[t]) and not (t != "bool" and isinstance(value, bool)) for t in scalar)
-            if not ok:
-                raise ProfileError(f"{where}.{name}={value!r}: expected {' or '.join(scalar)}")
+        _check(f"{where}.{name}", data[name], str(f.type))
     return kind(**data)
+
+
+def _is(value: Any, t: str) -> bool:
+    if t == "None":
+        return value is None
+    return isinstance(value, _TYPES[t]) and not (t != "bool" and isinstance(value, bool))
+
+
+def _check(where: str, value: Any, annotation: str) -> None:
+    """Check scalars (``int``, ``float | None``...) and lists of scalars (``list[int]``); other types are built by the caller."""
+    expected = annotation.split(" | ")
+    if all(t in _TYPES or t == "None" for t in expected):
+        if not any(_is(value, t) for t in expected):
+            raise ProfileError(f"{where}={value!r}: expected {' or '.join(expected)}")
+        if any(isinstance(value, float) and value != value for t in expected):
+            raise ProfileError(f"{where}={value!r}: expected a number, not NaN")
+        return
+    if len(expected) == 1 and expected[0].startswith("dict[") and not isinstance(value, dict):
+        raise ProfileError(f"{where}={type(value).__name__}: expected an object")
+    if len(expected) == 1 and expected[0].startswith("list[") and expected[0][5:-1] in _TYPES:
+        item = expected[0][5:-1]
+        if not isinstance(value, list):
+            raise ProfileError(f"{where}={type(value).__name__}: expected a list of {item}")
+        for i, element in enumerate(value):
+            if not _is(element, item):
+                raise ProfileError(f"{where}[{i}]={element!r}: expected {item}")

@@ -37,9 +37,16 @@ _LEAF_LABELS: dict[str, str] = {
 }
 
 
+_METADATA_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "is_same_size",
+                 "_local_scalar_dense", "is_nonzero", "size", "stride", "numel", "dim"}
+
+
 def is_view_op(func: torch._ops.OpOverload) -> bool:
-    """True for ops whose outputs alias their inputs (no new storage)."""
-    return bool(getattr(func, "is_view", False)) or func.overloadpacket.__name__ in {"detach", "alias", "lift_fresh", "_unsafe_view"}
+    """True for ops that allocate nothing: views (outputs alias inputs) and metadata queries."""
+    if getattr(func, "is_view", False) or func.namespace == "prim":
+        return True
+    name = func.overloadpacket.__name__
+    return name in {"detach", "alias", "lift_fresh", "_unsafe_view"} or name in _METADATA_OPS
 
 
 def op_label(func: torch._ops.OpOverload) -> str:
@@ -64,6 +71,10 @@ def leaf_label(module: nn.Module) -> str:
         return "matmul"
     if "norm" in lowered:
         return "norm"
+    if lowered.endswith("rotaryembedding"):
+        return "rope"
+    if lowered.endswith("router"):
+        return "router"
     if lowered.endswith("activation"):
         return lowered[: -len("activation")] or lowered
     return lowered

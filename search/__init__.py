@@ -1,5 +1,31 @@
 """Plan search: the Plan type, the step simulator, and the solvers."""
 
 from ._plan import KEEP, PLAN_FORMAT, PLAN_VERSION, Action, Decision, Plan, PlanError
+from ._model import StepModel
+from ._timeline import Interval, Simulation, Timeline
+from ._simulator import Assignment, resolve, simulate, simulate_assignment
+from ._solver import (
+    InfeasibleBudgetError,
+    PredictedCost,
+    Problem,
+    SolveResult,
+    Solver,
+    SolverStats,
+    UnknownSolverError,
+    fmt_bytes,
+    fmt_seconds,
+    get_solver,
+    plan_from_assignment,
+    register_solver,
+    solver_names,
+)
+from ._budget import Budget, BudgetError, check_feasible, minimum_budget, parse_bytes
+from ._pipeline import Stage, merge_plans, split_stages
+from ._synthetic import SyntheticUnit, random_profile, synthetic_profile
 
-__all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError"]
+__all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError",
+           "Assignment", "Budget", "BudgetError", "InfeasibleBudgetError", "Interval", "PredictedCost", "Problem",
+           "Simulation", "SolveResult", "Solver", "SolverStats", "Stage", "StepModel", "SyntheticUnit", "Timeline",
+           "UnknownSolverError", "check_feasible", "fmt_bytes", "fmt_seconds", "get_solver", "merge_plans", "minimum_budget",
+           "parse_bytes", "plan_from_assignment", "random_profile", "register_solver", "resolve", "simulate",
+           "simulate_assignment", "solver_names", "split_stages", "synthetic_profile"]

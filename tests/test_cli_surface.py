@@ -16,6 +16,15 @@ EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
                 "--optimizer", "-o", "--output", "--top"},
     "demo": {"--out"},
+    "explain": {"--model", "--model-args", "--config", "--recompute-activations", "--recompute-granularity",
+                "--recompute-method", "--recompute-num-layers", "--distribute-saved-activations"},
+    "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
+               "--micro-batches", "-o", "--output", "--format"},
+    "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
+    "pareto": {"<profile>", "--hardware", "--solvers", "--points", "-o", "--output"},
+    "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
+            "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
+            "--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache"},
 }
 
 

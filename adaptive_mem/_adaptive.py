@@ -1,0 +1,494 @@
+"""The adaptive closed loop behind ``--adaptive-memory-optimization``.
+
+``adaptive_optimize(model, budget=...)`` hooks the model; the user's training
+loop stays as it is. Each step (one forward + its backward):
+
+1. Warm-up: the first step of an input shape runs the plain model under the
+   SwapManager's protection (out-of-memory becomes a swap-out, not a crash)
+   and profiles the real model on the step's inputs (or finds the plan cache).
+2. The search (``milp``) picks the fastest plan whose simulated peak fits the
+   memory *target*; it is applied between steps (at the end of backward).
+3. Every step is watched: peak, time, SwapManager rescues, allocator retries.
+   A rescue means the target was too optimistic: binary search tightens it;
+   a clean step relaxes it toward the budget (MindSpeed's binary search on the
+   memory target). When the interval is closed the plan is cached and the loop
+   stops solving; a rescue after that reopens the search.
+
+Plans change only between steps: hooks are never added while a forward runs.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from profiler._fingerprint import structure_fingerprint
+from search._plan import Plan
+
+from ._accounting import host_allocations
+from ._oom import OomHook, make_hook
+from ._plan_cache import CachedPlan, PlanCache, plan_key
+from ._swap_manager import SwapManager
+
+__all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
+
+log = logging.getLogger(__name__)
+
+
+class AdaptiveBudgetError(ValueError):
+    """The memory budget is below what the step needs with every swappable activation on the host."""
+
+
+def _fmt(n: float) -> str:
+    from search._solver import fmt_bytes
+
+    return f"{fmt_bytes(n)} ({int(n)} bytes)"
+
+
+# --------------------------------------------------------------------------- the target policy
+class Move(str, enum.Enum):
+    TIGHTEN = "tighten"
+    """A rescue happened: the plan needs more room than the simulator thought."""
+    RELAX = "relax"
+    """A clean step with room left: try a faster plan."""
+    CONVERGED = "converged"
+    """The interval is closed: keep this target."""
+
+
+@dataclass
+class TargetSearch:
+    """Binary search on the memory target given to the solver, between ``lo`` (known clean or the
+    minimum feasible) and ``hi`` (known to need rescues, or just above the budget)."""
+
+    lo: int
+    hi: int
+    target: int
+    tolerance: int
+
+    def observe(self, *, rescued: bool) -> Move:
+        if rescued:
+            self.hi = self.target
+            if self.hi - self.lo <= self.tolerance:
+                self.target = self.lo
+                return Move.CONVERGED
+        else:
+            self.lo = self.target
+            if self.hi - self.lo <= self.tolerance:
+                return Move.CONVERGED
+        self.target = (self.lo + self.hi) // 2
+        return Move.TIGHTEN if rescued else Move.RELAX
+
+
+@dataclass
+class StepRecord:
+    step: int
+    """1-based step index since the loop started."""
+    kind: str
+    """``warmup`` (plain model, profiling), ``cached`` (plan from the cache applied after it), ``adapt``,
+    ``steady`` (converged)."""
+    target: int | None
+    """Memory target the step's plan was searched for."""
+    peak: int | None
+    """Measured peak device bytes of the step (None where the device cannot tell)."""
+    seconds: float
+    """Forward + backward wall time."""
+    rescues: int
+    """SwapManager rescues during the step."""
+    retries: int
+    """Allocator retries during the step."""
+    decision: str = ""
+    """What the loop decided after the step, and why."""
+
+
+# --------------------------------------------------------------------------- the handle
+class AdaptiveMemory:
+    """What :func:`adaptive_optimize` returns; a context manager whose exit (or :meth:`remove`) restores the model."""
+
+    def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
+                 solver: str, parallel: dict[str, int] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 tolerance: float, pluggable_allocator: bool) -> None:
+        self.model = model
+        self.budget = budget
+        self.optimizer = optimizer
+        self.cache = cache
+        self.solver = solver
+        self.parallel = dict(parallel or {})
+        self.loss_fn = loss_fn
+        self.tolerance = tolerance
+        self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.manager = SwapManager(model, device=self.device)
+        self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
+        self.manager.headroom = self.hook.headroom
+        self.hook.exhausted = self._exhausted
+        if hasattr(self.hook, "mode"):
+            self.hook.mode.exhausted = self._exhausted
+        self.history: list[StepRecord] = []
+        """One record per step."""
+        self.plan: Plan | None = None
+        """The plan applied now (None: the plain model)."""
+        self.profiles_run = 0
+        """Profiles taken (0 on a run served by the plan cache)."""
+        self.cache_hits = 0
+        self.converged_at: int | None = None
+        """Step after which the target stopped moving (None while searching)."""
+        self.search: TargetSearch | None = None
+        self._structure = structure_fingerprint(model)
+        self._handle: Any = None
+        self._step_model: Any = None
+        self._profile: Any = None
+        self._inputs_key: Any = None
+        self._cache_key: str | None = None
+        self._cache_fields: dict[str, Any] = {}
+        self._pending: Plan | None | bool = False  # False: no change; None: remove the plan
+        self._pending_kind = "adapt"
+        self._needs_profile = False
+        self._busy = 0
+        self._in_step = False
+        self._step_start = 0.0
+        self._rescues0 = 0
+        self._retries0 = 0
+        self._kind = "adapt"
+        self._solved: dict[int, Any] = {}
+        self._handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
+                         model.register_forward_hook(self._post)]
+        self.manager.attach()
+
+    # ------------------------------------------------------------------ public
+    @property
+    def converged(self) -> bool:
+        return self.converged_at is not None
+
+    @property
+    def target(self) -> int | None:
+        return self.search.target if self.search is not None else None
+
+    @property
+    def swap_stats(self) -> Any:
+        """The applied plan's swap statistics (None without plan swaps); rescues are in ``manager.stats``."""
+        return self._handle.swap_stats if self._handle is not None else None
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held by the plan's swap pool and the SwapManager's."""
+        return (self._handle.host_bytes if self._handle is not None else 0) + self.manager.engine.host_bytes
+
+    def summary(self) -> str:
+        """One line: where the loop stands."""
+        rescues = sum(r.rescues for r in self.history)
+        state = f"converged at step {self.converged_at}" if self.converged else "still searching"
+        target = _fmt(self.target) if self.target is not None else "none"
+        return (f"adaptive memory: {state}, target {target}, budget {_fmt(self.budget or 0)}, "
+                f"{len(self.history)} steps, {rescues} rescues, {self.profiles_run} profiles, "
+                f"{self.cache_hits} cache hits; {self._describe(self.plan)}")
+
+    def remove(self) -> None:
+        """Take the plan, the SwapManager and every hook off the model; safe to call twice."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.manager.close()
+        self.hook.remove()
+
+    def __enter__(self) -> "AdaptiveMemory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+    # ------------------------------------------------------------------ step boundaries
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._busy or self._in_step or not torch.is_grad_enabled():
+            return
+        self._in_step = True
+        self.hook.begin_step()
+        if hasattr(self.hook, "enter"):
+            self.hook.enter()
+        if self.budget is None:
+            self.budget = self._default_budget()
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        self._kind = "steady" if self.converged else "adapt"
+        if key != self._inputs_key:
+            first = self._inputs_key is None
+            self._inputs_key = key
+            self._start_shape(tensors, args, kwargs, first)
+        elif self._needs_profile:
+            self._plan_from_profile(args, kwargs)
+        self.hook.reset_peak()
+        self._rescues0 = self.manager.stats.rescues
+        self._retries0 = self.hook.retries
+        self._step_start = time.perf_counter()
+
+    def _post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._busy or not self._in_step:
+            return
+        t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
+                  if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        if t is None:
+            self._end_step()
+            return
+        t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_step)
+
+    def _end_step(self) -> None:
+        if not self._in_step:
+            return
+        self._in_step = False
+        if hasattr(self.hook, "exit"):
+            self.hook.exit()
+        seconds = time.perf_counter() - self._step_start
+        rescues = self.manager.stats.rescues - self._rescues0
+        retries = self.hook.retries - self._retries0
+        record = StepRecord(step=len(self.history) + 1, kind=self._kind, target=self.target, peak=self.hook.peak(),
+                            seconds=seconds, rescues=rescues, retries=retries)
+        self.history.append(record)
+        if self._kind in ("warmup", "cached"):
+            record.decision = self._describe_pending()
+        elif self.search is not None and (not self.converged or rescues):
+            record.decision = self._adapt(record)
+        if self._pending is not False:
+            self._apply(self._pending)
+            self._pending = False
+        if record.decision:
+            log.info("adaptive memory: step %d: %s", record.step, record.decision)
+
+    # ------------------------------------------------------------------ warm-up: cache or profile
+    def _start_shape(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, first: bool) -> None:
+        self.converged_at = None
+        self.search = None
+        self._solved.clear()
+        self._cache_key, self._cache_fields = plan_key(self.model, inputs=tensors, budget=self.budget,
+                                                       parallel=self._parallel(), structure=self._structure)
+        if not first:
+            log.info("adaptive memory: input shapes changed to %s: planning again",
+                     [list(t.shape) for t in tensors])
+        cached = self.cache.load(self._cache_key) if self.cache is not None else None
+        if cached is not None:
+            self.cache_hits += 1
+            self._kind = "cached"
+            self.search = TargetSearch(lo=cached.target, hi=cached.target, target=cached.target, tolerance=0)
+            self.converged_at = len(self.history) + 1
+            self._pending = cached.plan
+            log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
+                     self.cache.path(self._cache_key), _fmt(cached.target))
+            return
+        if self._handle is not None:
+            self._pending = None  # profile the plain model at the next step
+            self._needs_profile = True
+            self._kind = "warmup"
+            return
+        self._plan_from_profile(args, kwargs)
+
+    def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
+        import profiler
+        from search import StepModel, minimum_budget
+
+        self._needs_profile = False
+        self._kind = "warmup"
+        self._check_static()
+        start = time.perf_counter()
+        hardware = None
+        if self.device.type == "cpu":  # the bandwidth probe's buffers are no device memory of the step
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            with host_allocations():
+                hardware = profiler.hardware_spec("cpu", dtype=dtype)
+        self._busy += 1
+        try:
+            prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
+                                         optimizer=self.optimizer, warmup=0, repeat=0, hardware=hardware)
+        except torch.OutOfMemoryError as exc:
+            size, what = self.manager.largest_unswappable()
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: the step does not fit even with every swappable activation on "
+                f"the host (needed more than the budget {_fmt(self.budget)}; largest unswappable tensor: {what}, "
+                f"{_fmt(size)}): {exc}") from None
+        finally:
+            self._busy -= 1
+        self.profiles_run += 1
+        self._profile = prof
+        self.manager.set_profile(prof)
+        self._step_model = model = StepModel.build(prof)
+        needed, what = minimum_budget(model)
+        if needed > self.budget:
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
+                f"budget {_fmt(self.budget)} ({what})")
+        tol = max(1, int(self.tolerance * self.budget))
+        self.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
+        log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
+                 "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
+        self._pending = self._solve(self.search.target)
+
+    def _check_static(self) -> None:
+        """Parameters and their gradients never leave the device: fail before the step if they cannot fit."""
+        params = {p.untyped_storage()._cdata: p for p in self.model.parameters()}
+        param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
+        grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad and p.grad is None)
+        live = self.hook.live()
+        needed = max(live or 0, param_bytes) + grad_bytes
+        if needed > self.budget:
+            size, what = self.manager.largest_unswappable()
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: below the minimum feasible; needed at least {_fmt(needed)} "
+                f"(live device memory and the gradients to come), budget {_fmt(self.budget)}; "
+                f"largest unswappable tensor: {what}, {_fmt(size)}")
+
+    def _profile_loss(self, kwargs: dict) -> Callable[[nn.Module, tuple], torch.Tensor]:
+        loss_fn = self.loss_fn
+
+        def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
+            out = model(*inputs, **kwargs)
+            if loss_fn is not None:
+                return loss_fn(out)
+            first = next(t for t in tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
+                         if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return first.sum()
+        return loss
+
+    def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
+        if self.manager._no_rescue:
+            return None  # a prefetch that does not fit: it waits for its use
+        return self.manager.exhausted(needed, budget if budget is not None else self.budget)
+
+    # ------------------------------------------------------------------ the search
+    def _solve(self, target: int) -> Plan:
+        from search import Problem, get_solver
+        from search._solver import InfeasibleBudgetError
+
+        if target not in self._solved:
+            try:
+                result = get_solver(self.solver).solve(Problem(self._step_model, target))
+                plan = result.plan
+            except InfeasibleBudgetError:
+                plan = self._solve(self.search.lo) if target != self.search.lo else Plan()
+            self._solved[target] = plan
+        return self._solved[target]
+
+    def _adapt(self, record: StepRecord) -> str:
+        search = self.search
+        assert search is not None
+        if self.converged:  # a rescue after convergence: reopen
+            self.converged_at = None
+            if self._step_model is None:  # a cached plan: no profile to search with yet
+                self._needs_profile = True
+                self._pending = None
+                return (f"{record.rescues} rescues under the cached plan: profiling again at the next step "
+                        "(plain model until then)")
+            search.lo = min(search.lo, search.target - search.tolerance - 1)
+            search.tolerance = max(search.tolerance, int(self.tolerance * (self.budget or 0)))
+        before = search.target
+        why = (f"{record.rescues} rescues, {record.retries} allocator retries, peak {_fmt(record.peak or 0)}"
+               if record.rescues else f"no rescues, peak {_fmt(record.peak or 0)} of budget {_fmt(self.budget)}")
+        move = search.observe(rescued=record.rescues > 0)
+        # A target whose plan is the one just measured has a known outcome: keep moving.
+        while move is not Move.CONVERGED and self._solve(search.target).decisions == self._current_decisions():
+            move = search.observe(rescued=record.rescues > 0)
+        if move is Move.CONVERGED:
+            self.converged_at = record.step
+            plan = self._solve(search.target)
+            if plan.decisions != self._current_decisions():
+                self._pending = plan
+            self._save_cache(search.target, plan)
+            return (f"{why}: converged at target {_fmt(search.target)} after {record.step} steps "
+                    f"({len(plan.decisions)} decisions)")
+        self._pending = self._solve(search.target)
+        verb = "tightening" if move is Move.TIGHTEN else "relaxing"
+        return f"{why}: {verb} the target {_fmt(before)} -> {_fmt(search.target)}; {self._describe(self._pending)}"
+
+    def _current_decisions(self) -> dict:
+        return self.plan.decisions if self.plan is not None else {}
+
+    def _describe(self, plan: Plan | None) -> str:
+        if plan is None:
+            return "plain model"
+        kinds: dict[str, int] = {}
+        for d in plan.decisions.values():
+            kinds[d.action.value] = kinds.get(d.action.value, 0) + 1
+        meta = plan.meta
+        pred = (f", predicted peak {_fmt(meta['predicted_peak_bytes'])}, step {meta['predicted_step_time']:.4f} s"
+                if "predicted_peak_bytes" in meta else "")
+        return f"plan {dict(sorted(kinds.items())) or 'keep all'}{pred}"
+
+    def _describe_pending(self) -> str:
+        if self._pending is False:
+            return ""
+        what = "cached " if self._kind == "cached" else ""
+        target = f" for target {_fmt(self.target)}" if self.target is not None else ""
+        return f"warm-up done: applying the {what}{self._describe(self._pending)}{target}"
+
+    def _save_cache(self, target: int, plan: Plan) -> None:
+        if self.cache is None or self._cache_key is None:
+            return
+        path = self.cache.save(self._cache_key, CachedPlan(plan, target, self._cache_fields))
+        log.info("adaptive memory: plan cached at %s", path)
+
+    # ------------------------------------------------------------------ applying plans
+    def _apply(self, plan: Plan | None) -> None:
+        from ._optimize import optimize
+
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+        self.plan = plan
+        if plan is not None and plan.decisions:
+            self._handle = optimize(self.model, plan=plan, profile=self._profile)
+        self.manager.attach()  # innermost again, after the executor's hooks
+
+    def _parallel(self) -> dict[str, int]:
+        sizes = dict(self.parallel)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            sizes.setdefault("world", torch.distributed.get_world_size())
+        return sizes
+
+    def _default_budget(self) -> int:
+        cap = self.hook.capacity()
+        if cap is None and self.device.type != "cpu":
+            cap = torch.accelerator.get_memory_info(self.device)[1] if hasattr(torch.accelerator, "get_memory_info") \
+                else None
+        if cap is None:
+            raise ValueError("memory budget: none given and the device capacity is unknown; expected "
+                             "--memory-budget SIZE (or run under adaptive_mem.DeviceMemory(cap=...) on CPU)")
+        return int(cap)
+
+
+def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, optimizer: Any = None,
+                      cache_dir: Any = None, cache: bool = True, solver: str = "milp",
+                      parallel: dict[str, int] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+                      tolerance: float = 0.02, pluggable_allocator: bool = False) -> AdaptiveMemory:
+    """Keep ``model`` under ``budget`` device bytes with the fastest plan that fits, found while training.
+
+    ``budget``: bytes or a size string (``"12GiB"``); default the device capacity (on CPU the ``cap`` of
+    the active :class:`DeviceMemory`). ``optimizer``: the torch optimizer (or its name) whose state counts
+    in the budget. ``cache_dir``: where converged plans are kept (default ``~/.cache/adaptive-mem/plans``);
+    ``cache=False`` disables the cache. ``loss_fn``: ``output -> scalar`` used when profiling (default: the
+    sum of the first floating output). ``tolerance``: the target search stops when its interval is this
+    fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in a C++ allocator shim.
+    """
+    from search._budget import parse_bytes
+
+    if isinstance(budget, str):
+        budget = parse_bytes(budget, key="--memory-budget")
+    elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"--memory-budget={budget!r}: expected a positive number of bytes or a size like 12GiB")
+    if solver != "milp":
+        from search import solver_names
+
+        if solver not in solver_names():
+            raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
+    store = PlanCache(cache_dir) if cache else None
+    return AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
+                          loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)

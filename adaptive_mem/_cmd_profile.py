@@ -1,0 +1,92 @@
+"""``adaptive-mem profile``: profile one training step of a model spec and write the Profile JSON."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import profiler
+
+from ._model_spec import FORMS, build_model
+
+NAME = "profile"
+HELP = "profile one training step: per-op saved activations, fwd/bwd times, static memory, link bandwidth"
+
+log = logging.getLogger(__name__)
+
+HARDWARE_NAMES = (*profiler.HARDWARE, "cpu")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model-spec flags every command that builds a model shares."""
+    parser.add_argument("--model", required=True, metavar="SPEC", help=f"model spec: {FORMS}")
+    parser.add_argument("--model-args", default=None, metavar="K=V,...",
+                        help="overrides of the model's config, e.g. num_hidden_layers=2,hidden_size=128")
+    parser.add_argument("--batch-size", default=None, metavar="B", help="micro-batch size (default: the spec's)")
+    parser.add_argument("--seq-len", default=None, metavar="S", help="sequence length (default: the spec's)")
+    parser.add_argument("--dtype", default="float32", metavar="D", help="float32 (default), bfloat16 or float16")
+    parser.add_argument("--device", default="cpu", metavar="DEV",
+                        help="cpu (measure here, default) or meta (fake tensors: exact sizes, estimated times)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help=f"hardware spec for estimated times: {', '.join(HARDWARE_NAMES)} "
+                             "(default: cpu on --device cpu, h100 on --device meta)")
+    parser.add_argument("--optimizer", default="adam", metavar="OPT",
+                        help=f"optimizer whose state counts as static memory: {', '.join(profiler.OPTIMIZERS)} "
+                             "(default adam)")
+    parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the Profile JSON here")
+    parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
+
+
+def positive_int(flag: str, value: str | int | None) -> int | None:
+    """``--flag`` value as a positive int (None stays None); a one-line ValueError otherwise."""
+    if value is None:
+        return None
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{flag}={value!r}: expected a positive integer") from None
+    if number <= 0:
+        raise ValueError(f"{flag}={value!r}: expected a positive integer")
+    return number
+
+
+def build_from_args(args: argparse.Namespace):
+    return build_model(
+        args.model, model_args=args.model_args, batch_size=positive_int("--batch-size", args.batch_size),
+        seq_len=positive_int("--seq-len", args.seq_len), dtype=args.dtype, device=args.device,
+    )
+
+
+def check_hardware(name: str | None, device: str) -> None:
+    """Fail before any work on a hardware name that is unknown or does not fit the device."""
+    if name is None:
+        return
+    if name.lower() not in HARDWARE_NAMES:
+        raise ValueError(f"--hardware={name!r}: unknown; expected one of {', '.join(HARDWARE_NAMES)}")
+    if device == "cpu" and name.lower() != "cpu":
+        raise ValueError(f"--hardware={name!r}: a --device cpu profile is measured; expected cpu, "
+                         "or --device meta to estimate times for that hardware")
+
+
+def run(args: argparse.Namespace) -> int:
+    top = positive_int("--top", args.top)
+    check_hardware(args.hardware, args.device)
+    if args.optimizer.lower() not in profiler.OPTIMIZERS:
+        raise ValueError(f"--optimizer={args.optimizer!r}: expected one of {', '.join(profiler.OPTIMIZERS)}")
+    output = Path(args.output) if args.output else None
+    if output is not None and not output.parent.exists():
+        raise ValueError(f"--output={args.output!r}: directory {str(output.parent)!r} does not exist")
+    bundle = build_from_args(args)
+    log.info("profiling %s (batch %d x seq %d, %s) on %s", bundle.spec, bundle.batch_size, bundle.seq_len,
+             str(bundle.dtype).removeprefix("torch."), args.device)
+    result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower())
+    print(profiler.format_summary(result, top=top))
+    if output is not None:
+        result.save(output)
+        log.info("profile written to %s", output)
+    return 0

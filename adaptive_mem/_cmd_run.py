@@ -1,0 +1,135 @@
+"""``adaptive-mem run``: train N steps with a plan applied; report peak device memory and step time."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+NAME = "run"
+HELP = "train N steps of a model with a plan (or a MindFormers/Megatron config) applied and print the measured " \
+       "peak device memory and median step time"
+
+log = logging.getLogger(__name__)
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(text: str, *, flag: str) -> int:
+    """``"2GiB"`` -> 2147483648; plain integers are bytes."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
+        raise ValueError(f"{flag}={text!r}: expected a positive size such as 4000000000, 512MiB or 2GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-tiny", help="model spec: preset, hf:<family> or module:factory "
+                        "(default llama-tiny)")
+    parser.add_argument("--model-args", default=None, help="overrides, e.g. num_layers=8,hidden_size=256")
+    parser.add_argument("--batch-size", type=int, default=None, help="micro-batch size (default: the spec's)")
+    parser.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the spec's)")
+    parser.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default float32)")
+    parser.add_argument("--device", default="cpu", help="torch device to train on (default cpu)")
+    parser.add_argument("--plan", default=None, help="plan file (YAML or JSON); none = the plain model")
+    parser.add_argument("--config", default=None, help="MindFormers YAML whose recompute_config/swap_config "
+                        "gives the plan (instead of --plan)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="weights and batches seed (default 0)")
+    parser.add_argument("--optimizer", default="adam", choices=["adam", "sgd"], help="optimizer (default adam)")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate (default 1e-4)")
+    parser.add_argument("--device-memory-cap", default=None,
+                        help="CPU only: fail with out-of-memory when device memory would exceed this (e.g. 2GiB)")
+    parser.add_argument("--host-store", default="memory", choices=["memory", "file"],
+                        help="where swapped activations go: host memory or a temporary file (CPU only)")
+    from ._flags import add_memory_arguments
+
+    add_memory_arguments(parser)  # --adaptive-memory-optimization, --memory-budget, --memory-plan(-cache)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ._accounting import DeviceMemory
+    from ._model_spec import build_model
+    from ._optimize import optimize
+
+    if args.steps <= 0:
+        raise ValueError(f"--steps={args.steps}: expected a positive integer")
+    if args.plan is not None and args.config is not None:
+        raise ValueError("--plan and --config both given: expected one of them")
+    cap = parse_bytes(args.device_memory_cap, flag="--device-memory-cap") if args.device_memory_cap else None
+    bundle = build_model(args.model, model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
+                         dtype=args.dtype, device=args.device, seed=args.seed)
+    if bundle.is_fake:
+        raise ValueError(f"--device={args.device}: expected a real device (meta builds fake tensors, nothing to train)")
+    if cap is not None and bundle.device.type != "cpu":
+        raise ValueError(f"--device-memory-cap on {bundle.device}: expected --device cpu (accelerators have their "
+                         "own capacity)")
+    model = bundle.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
+    handle = None
+    if args.adaptive_memory_optimization or args.memory_plan or args.memory_budget or args.memory_plan_cache:
+        from ._flags import apply_arguments
+
+        if args.memory_plan and (args.plan or args.config):
+            raise ValueError("--memory-plan with --plan/--config: expected one of them")
+        if args.memory_budget and cap is None and bundle.device.type == "cpu":
+            cap = parse_bytes(args.memory_budget, flag="--memory-budget")  # the budget is the CPU device's size
+        handle = apply_arguments(model, args, optimizer=opt)
+    elif args.plan is not None or args.config is not None:
+        handle = optimize(model, plan=args.plan, config=args.config, host_store=args.host_store)
+    else:
+        log.info("no --plan or --config: training the plain model")
+    on_cpu = bundle.device.type == "cpu"
+    mem = DeviceMemory(device=bundle.device, cap=cap) if on_cpu else None
+    times: list[float] = []
+    losses: list[float] = []
+    try:
+        if mem is not None:
+            mem.__enter__()
+        else:
+            torch.accelerator.synchronize()
+            torch.accelerator.reset_peak_memory_stats()
+        for step in tqdm(range(args.steps), desc="run", unit="step", file=sys.stderr, disable=None):
+            batch = bundle.batch(seed=args.seed + step)
+            start = time.perf_counter()
+            loss = bundle.loss(batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not on_cpu:
+                torch.accelerator.synchronize()
+            times.append(time.perf_counter() - start)
+            losses.append(float(loss.detach()))
+            del loss
+    except torch.OutOfMemoryError as exc:
+        print(f"adaptive-mem run: out of device memory at step {len(times)}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if mem is not None:
+            mem.__exit__(None, None, None)
+        if handle is not None:
+            stats = handle.swap_stats
+            if stats is not None:
+                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes",
+                         stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads, stats.wait_seconds,
+                         handle.host_bytes)
+            if hasattr(handle, "summary"):
+                log.info("%s", handle.summary())
+            handle.remove()
+    peak = mem.peak if mem is not None else torch.accelerator.max_memory_allocated()
+    print(f"model: {bundle.spec}  batch: {bundle.batch_size}x{bundle.seq_len}  dtype: {str(bundle.dtype)[6:]}  "
+          f"plan: {args.plan or args.config or 'none'}")
+    print(f"steps: {len(times)}  loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(f"peak device memory: {peak} bytes ({peak / 2**20:.1f} MiB)")
+    print(f"median step time: {statistics.median(times):.4f} s")
+    return 0

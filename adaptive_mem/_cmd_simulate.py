@@ -1,0 +1,34 @@
+"""``adaptive-mem simulate``: predicted peak memory, step time and stalls of a plan on a profile."""
+
+from __future__ import annotations
+
+import argparse
+
+from search import Plan, fmt_bytes, simulate
+
+from ._search_common import add_profile_arguments, load
+
+NAME = "simulate"
+HELP = "predict peak device memory, step time and stalls of a plan on a profile (no training)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_profile_arguments(parser)
+    parser.add_argument("plan", help="plan YAML/JSON")
+    parser.add_argument("--timeline", default=None, metavar="PNG", help="also draw the step's timeline here")
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = Plan.load(args.plan)
+    profile, hardware = load(args)
+    sim = simulate(profile, plan, hardware=hardware, record=args.timeline is not None)
+    print(f"peak device memory  {fmt_bytes(sim.peak_bytes)} ({sim.peak_bytes} bytes)")
+    print(f"step time           {sim.step_time:.6f} s")
+    print(f"stall time          {sim.stall_time:.6f} s")
+    print(f"recompute time      {sim.recompute_time:.6f} s")
+    print(f"swapped per step    {fmt_bytes(sim.swapped_bytes)}")
+    if args.timeline:
+        assert sim.timeline is not None
+        sim.timeline.plot(args.timeline, title=f"simulated step: {args.plan}")
+        print(f"wrote {args.timeline}")
+    return 0

@@ -1,0 +1,88 @@
+"""Megatron's ``--distribute-saved-activations``: a checkpoint whose saved input is sharded across ranks.
+
+``distributed_checkpoint(fn, *args)`` behaves like
+``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)``, except that
+after the forward the first tensor argument keeps only this rank's 1-D chunk of
+its data (``world_size`` equal chunks, the last zero-padded); in backward, just
+before the recompute, the chunks are all-gathered over the default
+``torch.distributed`` group and the tensor gets its full data back.
+
+Note: [sharded checkpoint input] Like Megatron, the input tensor object itself is
+re-pointed (``.data``) at the chunk, so the storage the checkpoint holds shrinks to
+1/world_size; the caller must not read that tensor between forward and backward
+(it is a layer input consumed only by the checkpointed region). Every rank must
+run the same checkpoints in the same order: backward all-gathers collectively.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+from ._config._errors import ConfigError
+
+__all__ = ["distributed_checkpoint"]
+
+
+def _group_size() -> int:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError("distribute_saved_activations=True: no torch.distributed process group is initialized; "
+                          "expected torch.distributed.init_process_group(...) on every rank first (gloo on CPU)")
+    return dist.get_world_size()
+
+
+class _Shard:
+    """Holds the shape of the sharded tensor and restores its data before the recompute."""
+
+    def __init__(self, tensor: torch.Tensor, world: int) -> None:
+        self.tensor = tensor
+        self.world = world
+        self.shape = tensor.shape
+        self.numel = tensor.numel()
+        self.sharded = False
+
+    def shard(self) -> None:
+        flat = self.tensor.detach().reshape(-1)
+        size = -(-self.numel // self.world)
+        rank = dist.get_rank()
+        chunk = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        part = flat[rank * size:(rank + 1) * size]
+        chunk[:part.numel()].copy_(part)
+        self.tensor.data = chunk
+        self.sharded = True
+
+    def gather(self) -> None:
+        if not self.sharded:
+            return
+        chunk = self.tensor.data
+        pieces = [torch.empty_like(chunk) for _ in range(self.world)]
+        dist.all_gather(pieces, chunk)
+        self.tensor.data = torch.cat(pieces)[:self.numel].view(self.shape)
+        self.sharded = False
+
+
+def distributed_checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """Non-reentrant checkpoint of ``fn(*args, **kwargs)`` with its first tensor argument sharded across ranks."""
+    world = _group_size()
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None:
+        raise ConfigError("distribute_saved_activations=True: the checkpointed function got no tensor argument; "
+                          "expected the layer input as a tensor")
+    if first._base is not None:
+        raise ConfigError("distribute_saved_activations=True: the layer input is a view of another tensor; "
+                          "expected a tensor owning its storage (call .contiguous().clone() before the layer)")
+    holder = _Shard(first, world)
+
+    @contextlib.contextmanager
+    def before_recompute():
+        holder.gather()
+        yield
+
+    out = checkpoint(fn, *args, use_reentrant=False,
+                     context_fn=lambda: (contextlib.nullcontext(), before_recompute()), **kwargs)
+    holder.shard()
+    return out

@@ -1,0 +1,110 @@
+"""The single flag: ``add_arguments(parser)`` then, after the model exists, ``apply_arguments(model, args)``.
+
+``--adaptive-memory-optimization`` (with ``--memory-budget``, ``--memory-plan-cache``) starts the
+adaptive loop; ``--memory-plan FILE`` applies a fixed plan; Megatron's recompute flags apply their
+plan. The seeds' incompatibilities are errors before anything is applied: the adaptive flag with full
+(or selective) recompute, or with a manual plan / swap config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ._args import add_arguments as add_megatron_arguments
+
+__all__ = ["add_arguments", "add_memory_arguments", "apply_arguments"]
+
+log = logging.getLogger(__name__)
+
+_MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache")
+
+
+def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``."""
+    group = parser.add_argument_group("memory optimization (adaptive-mem)")
+    have = set(getattr(parser, "_option_string_actions", {}))
+    if "--adaptive-memory-optimization" not in have:
+        group.add_argument("--adaptive-memory-optimization", action="store_true",
+                           help="find and apply the fastest keep/recompute/swap plan under --memory-budget while "
+                                "training; out-of-memory is rescued by swapping activations to the host")
+    if "--memory-budget" not in have:
+        group.add_argument("--memory-budget", default=None, metavar="SIZE",
+                           help="peak device memory the step may use, e.g. 12GiB (default: the device capacity)")
+    if "--memory-plan" not in have:
+        group.add_argument("--memory-plan", default=None, metavar="FILE",
+                           help="apply this plan file (YAML/JSON) as it is, without the adaptive loop")
+    if "--memory-plan-cache" not in have:
+        group.add_argument("--memory-plan-cache", default=None, metavar="DIR",
+                           help="where converged adaptive plans are kept (default ~/.cache/adaptive-mem/plans)")
+    return parser
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron's recompute flags and the memory flags above, on any argparse parser."""
+    add_megatron_arguments(parser)
+    return add_memory_arguments(parser)
+
+
+def _recompute_flag(args: argparse.Namespace) -> str | None:
+    granularity = getattr(args, "recompute_granularity", None)
+    if granularity is not None:
+        return f"--recompute-granularity {granularity}"
+    if getattr(args, "recompute_activations", False):
+        return "--recompute-activations"
+    if getattr(args, "recompute_method", None) is not None:
+        return f"--recompute-method {args.recompute_method}"
+    return None
+
+
+def _manual_plan(args: argparse.Namespace) -> str | None:
+    for dest, flag in (("memory_plan", "--memory-plan"), ("plan", "--plan"), ("config", "--config"),
+                       ("swap_config", "--swap-config")):
+        value = getattr(args, dest, None)
+        if value:
+            return f"{flag} {value}"
+    return None
+
+
+def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: Any = None,
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Any:
+    """Apply the memory flags of ``args`` to ``model``; returns the handle (``remove()`` restores) or None.
+
+    ``--adaptive-memory-optimization`` -> :class:`AdaptiveMemory`; ``--memory-plan`` or Megatron recompute
+    flags -> :class:`OptimizeHandle`; none of them -> None. ``optimizer`` counts its state in the budget.
+    """
+    adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
+    budget = getattr(args, "memory_budget", None)
+    cache_dir = getattr(args, "memory_plan_cache", None)
+    if adaptive:
+        recompute = _recompute_flag(args)
+        if recompute is not None:
+            raise ValueError(f"--adaptive-memory-optimization with {recompute}: incompatible (the adaptive plan "
+                             "decides recompute itself, as in MindSpeed where it excludes full recompute); "
+                             "expected one of them")
+        manual = _manual_plan(args)
+        if manual is not None:
+            raise ValueError(f"--adaptive-memory-optimization with {manual}: incompatible (a manual plan or swap "
+                             "config fixes what the adaptive loop would choose); expected one of them")
+        from ._adaptive import adaptive_optimize
+
+        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn)
+    for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
+        if value is not None:
+            raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "
+                             "(a fixed plan takes --memory-plan FILE)")
+    from ._optimize import optimize
+
+    plan = getattr(args, "memory_plan", None)
+    if plan is not None:
+        if _recompute_flag(args) is not None:
+            raise ValueError(f"--memory-plan with {_recompute_flag(args)}: expected one of them")
+        return optimize(model, plan=plan)
+    if _recompute_flag(args) is not None:
+        return optimize(model, config=args)
+    log.info("no memory optimization flags: the model runs as it is")
+    return None

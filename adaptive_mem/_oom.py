@@ -1,0 +1,320 @@
+"""The allocator hook: when an allocation fails, ask for ``needed`` bytes to be freed, then retry.
+
+One interface, :class:`OomHook`, with three back-ends:
+
+* :class:`AccountedHook` (CPU, tested): the executor's :class:`DeviceMemory`
+  counts device bytes exactly and calls its ``on_oom`` hooks before refusing
+  an allocation over its ``cap``; the hook frees, the accounting re-checks.
+* :class:`RetryOnOom` (any device): a dispatch mode that catches
+  ``torch.OutOfMemoryError`` raised by an op, asks for the shortfall (parsed
+  from the message when it says, else a doubling guess) and runs the op again.
+  An op that failed to allocate has written nothing, so the retry is exact.
+* :class:`CudaAllocatorHook` (CUDA builds only, NOT compiled or tested on the
+  CPU machine this was written on): a ``CUDAPluggableAllocator`` whose C++
+  ``malloc`` calls back into Python on ``cudaMalloc`` failure, as MindSpeed does
+  with ``NPUPluggableAllocator``. It must be installed before CUDA allocates.
+
+The ``rescue`` callback (``needed_bytes -> freed_anything``) is the SwapManager's.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._accounting import DeviceMemory, current_accounting
+
+__all__ = ["OomHook", "AccountedHook", "RetryOnOom", "CudaAllocatorHook", "Rescue", "shortfall_of", "make_hook"]
+
+log = logging.getLogger(__name__)
+
+Rescue = Callable[[int], bool]
+
+
+class OomHook:
+    """Where allocation failures meet the SwapManager; also the live/peak bytes the adaptive loop watches."""
+
+    name = "none"
+    retries = 0
+    """Allocations retried after a rescue."""
+
+    def __init__(self, rescue: Rescue) -> None:
+        self.rescue = rescue
+        self.retries = 0
+        self.exhausted: Callable[[int, int | None], BaseException | None] | None = None
+        """``(needed, budget) -> error`` raised when a rescue could not make room (None: the device's own error)."""
+
+    def begin_step(self) -> None:
+        """Called at the start of every step (find the accounting / allocator of this step)."""
+
+    def live(self) -> int | None:
+        return None
+
+    def peak(self) -> int | None:
+        return None
+
+    def reset_peak(self) -> None:
+        pass
+
+    def capacity(self) -> int | None:
+        """Bytes the device may hold, when known."""
+        return None
+
+    def headroom(self) -> int | None:
+        cap, live = self.capacity(), self.live()
+        return None if cap is None or live is None else cap - live
+
+    def remove(self) -> None:
+        pass
+
+
+class AccountedHook(OomHook):
+    """CPU: hook into the active :class:`DeviceMemory` (its ``cap`` is the budget)."""
+
+    name = "accounted"
+
+    def __init__(self, rescue: Rescue) -> None:
+        super().__init__(rescue)
+        self.memory: DeviceMemory | None = None
+
+    def _hook(self, needed: int) -> bool:
+        self.retries += 1
+        freed = self.rescue(needed)
+        mem = self.memory
+        if mem is not None and mem.cap is not None and mem.live > mem.cap and self.exhausted is not None:
+            error = self.exhausted(mem.live - mem.cap, mem.cap)
+            if error is not None:
+                raise error
+        return freed
+
+    def begin_step(self) -> None:
+        mem = current_accounting()
+        if mem is self.memory:
+            return
+        self.remove()
+        self.memory = mem
+        if mem is not None:
+            mem.add_oom_hook(self._hook)
+
+    def live(self) -> int | None:
+        return self.memory.live if self.memory is not None else None
+
+    def peak(self) -> int | None:
+        return self.memory.peak if self.memory is not None else None
+
+    def reset_peak(self) -> None:
+        if self.memory is not None:
+            self.memory.reset_peak()
+
+    def capacity(self) -> int | None:
+        return self.memory.cap if self.memory is not None else None
+
+    def remove(self) -> None:
+        if self.memory is not None and self._hook in self.memory.on_oom:
+            self.memory.on_oom.remove(self._hook)
+        self.memory = None
+
+
+_NEEDS = re.compile(r"needs (\d+) bytes")
+_TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (B|KiB|MiB|GiB)")
+_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def shortfall_of(exc: BaseException) -> int | None:
+    """Bytes the failed allocation asked for, from DeviceMemory's or the CUDA allocator's message."""
+    text = str(exc)
+    match = _NEEDS.search(text)
+    if match:
+        return int(match.group(1))
+    match = _TRIED.search(text)
+    if match:
+        return int(float(match.group(1)) * _SCALE[match.group(2)])
+    return None
+
+
+class RetryOnOom(TorchDispatchMode):
+    """Catch ``OutOfMemoryError`` at the op, rescue, run the op again (``max_retries`` times).
+
+    Enter it *inside* whatever raises (the device allocator, or a ``DeviceMemory``
+    entered earlier) so that the op's failure passes through this mode.
+    """
+
+    def __init__(self, rescue: Rescue, *, max_retries: int = 8, first_guess: int = 1 << 20) -> None:
+        super().__init__()
+        self.rescue = rescue
+        self.max_retries = max_retries
+        self.first_guess = first_guess
+        self.retries = 0
+        self.exhausted: Callable[[int, int | None], BaseException | None] | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        guess = self.first_guess
+        for attempt in range(self.max_retries + 1):
+            try:
+                return func(*args, **(kwargs or {}))
+            except torch.OutOfMemoryError as exc:
+                if attempt == self.max_retries:
+                    raise
+                needed = shortfall_of(exc) or guess
+                guess *= 2
+                if not self.rescue(needed):
+                    error = self.exhausted(needed, None) if self.exhausted is not None else None
+                    if error is not None:
+                        raise error from exc
+                    raise
+                self.retries += 1
+        raise AssertionError("unreachable")
+
+
+class _RetryHook(OomHook):
+    """Accelerators without the pluggable allocator: :class:`RetryOnOom` around each step."""
+
+    name = "retry"
+
+    def __init__(self, rescue: Rescue, device: torch.device) -> None:
+        super().__init__(rescue)
+        self.device = device
+        self.mode = RetryOnOom(rescue)
+        self._entered = False
+
+    def enter(self) -> None:
+        if not self._entered:
+            self.mode.__enter__()
+            self._entered = True
+
+    def exit(self) -> None:
+        if self._entered:
+            self.mode.__exit__(None, None, None)
+            self._entered = False
+
+    @property
+    def retries(self) -> int:  # type: ignore[override]
+        return self.mode.retries
+
+    @retries.setter
+    def retries(self, value: int) -> None:
+        pass
+
+    def live(self) -> int | None:
+        return torch.accelerator.memory_allocated(self.device)
+
+    def peak(self) -> int | None:
+        return torch.accelerator.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.device)
+
+    def remove(self) -> None:
+        self.exit()
+
+
+# --------------------------------------------------------------------------- CUDA pluggable allocator
+# Note: [cuda shim untested]. Written against the documented CUDAPluggableAllocator ABI
+# (malloc(ssize_t, int, cudaStream_t) / free(void*, ssize_t, int, cudaStream_t)); it has never
+# been compiled here (CPU-only torch, no nvcc). Every allocation goes straight to cudaMalloc
+# (no caching), so a freed swap-out really returns device memory before the retry.
+_CUDA_SHIM = r"""
+#include <Python.h>
+#include <sys/types.h>
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+static PyObject* g_rescue = nullptr;
+
+void set_rescue(py::object fn) {
+  PyObject* obj = fn.ptr();
+  Py_XINCREF(obj);
+  Py_XDECREF(g_rescue);
+  g_rescue = obj;
+}
+
+extern "C" {
+void* am_malloc(ssize_t size, int device, cudaStream_t stream) {
+  void* ptr = nullptr;
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    if (cudaMalloc(&ptr, size) == cudaSuccess) return ptr;
+    cudaGetLastError();
+    if (g_rescue == nullptr) return nullptr;
+    PyGILState_STATE gil = PyGILState_Ensure();
+    PyObject* res = PyObject_CallFunction(g_rescue, "n", (Py_ssize_t)size);
+    int freed = res != nullptr && PyObject_IsTrue(res) == 1;
+    Py_XDECREF(res);
+    if (res == nullptr) PyErr_Clear();
+    PyGILState_Release(gil);
+    if (!freed) return nullptr;
+  }
+  return nullptr;
+}
+
+void am_free(void* ptr, ssize_t size, int device, cudaStream_t stream) {
+  cudaStreamSynchronize(stream);
+  cudaFree(ptr);
+}
+}
+"""
+
+_cuda_lock = threading.Lock()
+_cuda_module: Any = None
+
+
+class CudaAllocatorHook(OomHook):
+    """CUDA only: replace the allocator with the shim above; its failed ``cudaMalloc`` calls ``rescue``.
+
+    Must run before the process makes its first CUDA allocation (PyTorch refuses to change the
+    allocator afterwards); :func:`make_hook` falls back to :class:`RetryOnOom` when it cannot.
+    """
+
+    name = "cuda-pluggable"
+
+    def __init__(self, rescue: Rescue, device: torch.device) -> None:
+        super().__init__(rescue)
+        global _cuda_module
+        if not torch.cuda.is_available():
+            raise RuntimeError("the CUDA pluggable allocator needs a CUDA build of torch and a GPU")
+        from torch.utils.cpp_extension import load_inline
+
+        with _cuda_lock:
+            if _cuda_module is None:
+                _cuda_module = load_inline(name="adaptive_mem_oom_shim", cpp_sources=[_CUDA_SHIM],
+                                           functions=["set_rescue"], with_cuda=True,
+                                           extra_ldflags=["-lcudart"], verbose=False)
+        self.device = device
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(_cuda_module.__file__, "am_malloc", "am_free")
+        torch.cuda.memory.change_current_allocator(allocator)
+        _cuda_module.set_rescue(self._hook)
+
+    def _hook(self, needed: int) -> bool:
+        self.retries += 1
+        return self.rescue(needed)
+
+    def live(self) -> int | None:
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+    def remove(self) -> None:
+        if _cuda_module is not None:
+            _cuda_module.set_rescue(None)
+
+
+def make_hook(rescue: Rescue, device: torch.device, *, pluggable: bool = False) -> OomHook:
+    """The hook for ``device``: accounted on CPU; on CUDA the pluggable allocator when asked and still
+    possible, else retry-at-the-op (the path for every other accelerator too)."""
+    if device.type == "cpu":
+        return AccountedHook(rescue)
+    if device.type == "cuda" and pluggable:
+        try:
+            return CudaAllocatorHook(rescue, device)
+        except (RuntimeError, OSError, ImportError) as exc:
+            log.warning("CUDA pluggable allocator unavailable (%s); catching OutOfMemoryError at the op instead",
+                        str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+    return _RetryHook(rescue, device)

@@ -1,0 +1,188 @@
+"""Resolve a Plan onto a model before anything is installed: validation and per-layer modes.
+
+Everything that can be wrong with a plan for a model is found here, so
+``optimize`` either installs the whole plan or nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from profiler._units import LayerInfo, find_layers, join, leaf_label
+from search._plan import Action, Decision, Plan, PlanError, matches
+
+__all__ = ["LayerMode", "Resolution", "resolve_plan", "decide", "log_plan", "OUTSIDE_BEFORE"]
+
+log = logging.getLogger(__name__)
+
+OUTSIDE_BEFORE = -1
+"""Layer index of units before the repeated layers (embeddings); units after them use ``num_layers``."""
+
+_LABEL = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+class LayerMode(str, enum.Enum):
+    PLAIN = "plain"
+    """Nothing to do: the layer runs untouched."""
+    WHOLE = "whole"
+    """Every unit recomputed: non-reentrant checkpoint of the layer."""
+    SAC = "sac"
+    """Some units recomputed: checkpoint with the selective policy (Note: [SAC policy])."""
+    SWAP = "swap"
+    """No recompute, some saved tensors swapped through the saved-tensor hooks."""
+
+
+@dataclass
+class Resolution:
+    layers: LayerInfo | None
+    """The repeated blocks, or None for a model without them."""
+    modes: list[LayerMode] = field(default_factory=list)
+    """Per layer index."""
+    groups: list[list[int]] = field(default_factory=list)
+    """Checkpoint groups of more than one layer."""
+    swap_outside_sac: bool = False
+    """Some swap target covers units outside SAC layers: the tracker and saved-tensor hooks are needed."""
+    provisional: list[str] = field(default_factory=list)
+    """Targets that look like op units of non-leaf modules; verified by a trace."""
+
+    @property
+    def active(self) -> bool:
+        return any(m is not LayerMode.PLAIN for m in self.modes) or self.swap_outside_sac
+
+
+def decide(plan: Plan, unit: str) -> Decision:
+    """The unit's decision: longest matching target; among equal lengths recompute wins (coupling rule 1)."""
+    best: list[str] = []
+    for target in plan.decisions:
+        if matches(target, unit):
+            if not best or len(target) > len(best[0]):
+                best = [target]
+            elif len(target) == len(best[0]):
+                best.append(target)
+    if not best:
+        return Decision(Action.KEEP)
+    actions = {plan.decisions[t].action for t in best}
+    if Action.RECOMPUTE in actions and Action.SWAP in actions:
+        log.info("Unit %s is marked recompute and swap: recompute takes effect, swap does not", unit)
+        return Decision(Action.RECOMPUTE)
+    return plan.decisions[best[0]]
+
+
+def _is_op_label(label: str) -> bool:
+    """``add``, ``add_1``, ``matmul``, ``flash_attention``...: labels the unit namer gives aten ops."""
+    if not _LABEL.match(label):
+        return False
+    base = re.sub(r"_\d+$", "", label)
+    return base in ("matmul", "flash_attention") or hasattr(torch.ops.aten, base) or hasattr(torch.ops.aten, "_" + base)
+
+
+def _catalogue(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
+    """Module paths, leaf unit names, non-leaf module paths (their op units need a trace)."""
+    modules, leaves, inner = set(), set(), set()
+    for path, module in model.named_modules():
+        if not path:
+            continue
+        modules.add(path)
+        if next(module.children(), None) is None:
+            leaves.add(join(path, leaf_label(module)))
+        else:
+            inner.add(path)
+    return modules, leaves, inner
+
+
+def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
+    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
+    modules, leaves, inner = _catalogue(model)
+    known_units = set(units) if units is not None else None
+    provisional: list[str] = []
+    for target in plan.decisions:
+        if target in modules or target in leaves or (known_units is not None and target in known_units):
+            continue
+        head, _, label = target.rpartition(".")
+        if known_units is None and (head in inner or head == "") and _is_op_label(label):
+            provisional.append(target)
+            continue
+        sample = sorted(u for u in (known_units or leaves))
+        hint = ", ".join(sample[:6]) + (", ..." if len(sample) > 6 else "")
+        raise PlanError(f"plan.decisions.{target!r}: no such unit or module in this model; expected a module path "
+                        f"or a unit name such as {hint}")
+
+    layers = find_layers(model)
+    count = layers.count if layers is not None else 0
+    paths = [layers.layer_path(i) for i in range(count)] if layers else []
+    for target, decision in plan.decisions.items():
+        if decision.action is not Action.RECOMPUTE:
+            continue
+        inside = any(target == p or target.startswith(p + ".") for p in paths)
+        covers_layers_only = layers is not None and target == layers.container
+        if not inside and not covers_layers_only:
+            where = f"{layers.container}.N" if layers else "repeated layers (none found in this model)"
+            raise PlanError(f"plan.decisions.{target!r}: action recompute outside the repeated layers; expected "
+                            f"recompute targets inside {where}")
+
+    modes: list[LayerMode] = []
+    for path in paths:
+        cover = decide(plan, path).action
+        inner_targets = [t for t in plan.decisions if t.startswith(path + ".")]
+        actions = {cover} | {plan.decisions[t].action for t in inner_targets}
+        if Action.RECOMPUTE not in actions:
+            modes.append(LayerMode.SWAP if Action.SWAP in actions else LayerMode.PLAIN)
+        elif actions == {Action.RECOMPUTE}:
+            modes.append(LayerMode.WHOLE)
+        else:
+            modes.append(LayerMode.SAC)
+
+    groups = []
+    for g, group in enumerate(plan.groups):
+        for i in group:
+            if i >= count:
+                raise PlanError(f"plan.groups[{g}]={group}: layer {i} does not exist; expected indices below {count}")
+            if modes[i] is not LayerMode.WHOLE:
+                raise PlanError(f"plan.groups[{g}]={group}: layer {i} is not decided recompute as a whole layer; "
+                                f"expected '{paths[i]}: recompute' for every layer of a group")
+        if len(group) > 1:
+            groups.append(list(group))
+    seen: set[int] = set()
+    for group in groups:
+        if seen & set(group):
+            raise PlanError(f"plan.groups: layer(s) {sorted(seen & set(group))} in two groups; expected disjoint groups")
+        seen |= set(group)
+
+    swap_outside = False
+    for target, decision in plan.decisions.items():
+        if decision.action is not Action.SWAP:
+            continue
+        owner = next((i for i, p in enumerate(paths) if target == p or target.startswith(p + ".")), None)
+        if owner is None or modes[owner] is LayerMode.SWAP:
+            swap_outside = True
+    if plan.distribute_saved_activations and not any(m is LayerMode.WHOLE for m in modes):
+        log.warning("distribute_saved_activations is set but no layer is recomputed as a whole: nothing to distribute")
+    return Resolution(layers=layers, modes=modes, groups=groups, swap_outside_sac=swap_outside,
+                      provisional=provisional)
+
+
+def log_plan(plan: Plan, res: Resolution) -> None:
+    """The per-layer lines of the MindFormers logs."""
+    if res.layers is None:
+        return
+    for i, mode in enumerate(res.modes):
+        path = res.layers.layer_path(i)
+        cover = decide(plan, path)
+        if mode is LayerMode.WHOLE:
+            log.info("Set full recompute at layer %d", i)
+        if cover.action is Action.SWAP and not any(t.startswith(path + ".") for t in plan.decisions):
+            log.info("Set layer swap at layer %d and value is: %d", i, cover.backward_prefetch)
+        inner = [(t[len(path) + 1:], d) for t, d in plan.decisions.items() if t.startswith(path + ".")]
+        rec = [t for t, d in inner if d.action is Action.RECOMPUTE]
+        swp = [f"{t}, value={d.backward_prefetch}" for t, d in inner if d.action is Action.SWAP]
+        if rec:
+            log.info("Set select recompute at layer %d: %s", i, ", ".join(rec))
+        if swp:
+            log.info("Set op_swap at layer %d: %s", i, ", ".join(swp))

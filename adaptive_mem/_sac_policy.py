@@ -1,0 +1,167 @@
+"""Op-level recompute: the selective-checkpoint policy and the fake-tensor pass it needs.
+
+Note: [SAC policy] (docs/plan-format.md). Inside a layer run under
+``create_selective_checkpoint_contexts`` each aten op gets
+
+* ``PREFER_RECOMPUTE`` when its unit is decided ``recompute``, or an in-place op of the
+  same layer call later writes its output (a cached tensor must not change);
+* ``MUST_SAVE`` when its unit is decided ``swap`` (the cached outputs are what is swapped);
+* ``MUST_SAVE`` when autograd saves its output, or it is a matmul / attention op;
+* ``PREFER_RECOMPUTE`` otherwise.
+
+Which op outputs autograd saves is learnt once per layer by running the
+layer on fake tensors (:func:`trace_layer`): shapes only, nothing allocated.
+An op is identified by ``(unit, ordinal)``: its unit name and how many
+non-view ops of that unit ran before it in the same layer call.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import CheckpointPolicy
+
+from profiler._units import UnitNamer, op_label
+
+__all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
+
+log = logging.getLogger(__name__)
+
+_ALWAYS_SAVE_LABELS = {"matmul", "flash_attention"}
+
+
+class OpCounter:
+    """``(unit, ordinal)`` of each op of one layer call; reset at the start of every call."""
+
+    def __init__(self, namer: UnitNamer) -> None:
+        self.namer = namer
+        self.counts: dict[str, int] = {}
+
+    def reset(self) -> None:
+        self.counts = {}
+
+    def key(self, func: Any) -> tuple[str, int] | None:
+        unit = self.namer.name(func)
+        if unit is None:
+            return None
+        n = self.counts.get(unit, 0)
+        self.counts[unit] = n + 1
+        return unit, n
+
+
+@dataclass
+class LayerTrace:
+    units: list[str] = field(default_factory=list)
+    """Units of the layer call, in order of first appearance."""
+    saved_ops: set[tuple[str, int]] = field(default_factory=set)
+    """Ops whose outputs autograd saves for backward."""
+    consumers: dict[str, set[str]] = field(default_factory=dict)
+    """Unit -> units of the same call that read its outputs."""
+    mutated_ops: set[tuple[str, int]] = field(default_factory=set)
+    """Ops whose output storage an in-place op of the same call writes: SAC cannot cache them."""
+
+
+def _storages(out: Any) -> list[int]:
+    return [t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, counter: OpCounter, trace: LayerTrace) -> None:
+        super().__init__()
+        self.counter = counter
+        self.trace = trace
+        self.producer: dict[int, str] = {}
+        self.outputs: dict[tuple[str, int], list[int]] = {}
+        self.mutated: set[int] = set()
+        self.keep: list[Any] = []  # storage ids must stay unique while the pass runs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = self.counter.key(func)
+        out = func(*args, **kwargs)
+        if key is None:
+            return out
+        unit = key[0]
+        if unit not in self.trace.consumers:
+            self.trace.units.append(unit)
+            self.trace.consumers[unit] = set()
+        for cdata in _storages((args, kwargs)):
+            producer = self.producer.get(cdata)
+            if producer is not None and producer != unit:
+                self.trace.consumers[producer].add(unit)
+        for arg, value in zip(func._schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                                     func._schema.arguments[len(args):]]):
+            if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
+                self.mutated.add(value.untyped_storage()._cdata)
+        cdatas = _storages(out)
+        self.keep.append(out)
+        self.outputs[key] = cdatas
+        for cdata in cdatas:
+            self.producer[cdata] = unit
+        return out
+
+
+def trace_layer(run: Callable[..., Any], counter: OpCounter, args: tuple, kwargs: dict) -> LayerTrace:
+    """Run ``run(*args, **kwargs)`` (the layer call, which resets ``counter``) on fake tensors and record
+    units, consumers and which op outputs autograd saves."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    trace = LayerTrace()
+    saved: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.add(t.untyped_storage()._cdata)
+        return t
+
+    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+        try:
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
+                                      (args, kwargs))
+            recorder = _Recorder(counter, trace)
+            with fake, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+                run(*fargs, **fkwargs)
+        except Exception as exc:  # data-dependent ops: learn the same facts from one real forward, discarded
+            log.info("fake-tensor pass of the layer failed (%s: %s); tracing it on real tensors once",
+                     type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
+            trace = LayerTrace()
+            saved.clear()
+            rargs, rkwargs = tree_map(lambda x: x.detach().requires_grad_(x.requires_grad)
+                                      if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
+            recorder = _Recorder(counter, trace)
+            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+                run(*rargs, **rkwargs)
+    trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
+    trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
+    return trace
+
+
+class SacPolicy:
+    """The policy function of one layer; ``action(unit)`` gives the unit's resolved action."""
+
+    def __init__(self, counter: OpCounter, trace: LayerTrace, action: Callable[[str], str],
+                 on_swap_output: Callable[[Any, str], None]) -> None:
+        self.counter = counter
+        self.trace = trace
+        self.action = action
+        self.on_swap_output = on_swap_output
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        key = self.counter.key(func)
+        if key is None:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        action = self.action(key[0])
+        if action == "recompute" or key in self.trace.mutated_ops:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if action == "swap":
+            if not ctx.is_recompute:
+                self.on_swap_output(ctx.op_output, key[0])
+            return CheckpointPolicy.MUST_SAVE
+        if key in self.trace.saved_ops or op_label(func) in _ALWAYS_SAVE_LABELS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE

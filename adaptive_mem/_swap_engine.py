@@ -1,0 +1,234 @@
+"""The swap engine: saved activations leave device memory after forward and come back before backward.
+
+A swapped tensor is handled at the level of its *storage*: the whole storage
+is copied to one host buffer once, however many views of it autograd saves
+(Note: [swap by storage]). Views keep no device memory alive because the
+engine drops its device reference as soon as the copy has landed, and each
+unpack rebuilds the view (dtype, size, stride, offset) on the reloaded
+storage. Reloads are issued by backward triggers (``backward_prefetch``
+layers ahead) or on demand at unpack; unpack blocks only if the reload is
+late. Host buffers return to the pool as soon as their bytes are back on the
+device, so nothing leaks across steps.
+
+Note: [in-place after save]. A saved tensor modified in place before its
+offload copy ran would be swapped with the wrong bytes; the engine compares
+the tensor's version counter after the copy and fails the unpack with
+autograd's own error instead of returning a wrong gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._copier import Copy, make_copier
+from ._host_pool import FileHostPool, HostBuffer, HostPool, MemoryHostPool
+
+__all__ = ["SwapEngine", "SwapStats", "Packed"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SwapStats:
+    offloaded_bytes: int = 0
+    """Bytes copied device -> host (cumulative)."""
+    reloaded_bytes: int = 0
+    """Bytes copied host -> device (cumulative)."""
+    late_reloads: int = 0
+    """Unpacks that had to wait for their reload."""
+    wait_seconds: float = 0.0
+    """Time unpacks spent blocked on late reloads."""
+    on_demand_reloads: int = 0
+    """Reloads issued at unpack time (prefetch 0 or a trigger that never fired)."""
+
+
+class _Record:
+    """One swapped storage."""
+
+    def __init__(self, engine: "SwapEngine", src: torch.Tensor, nbytes: int, label: str) -> None:
+        self.engine = engine
+        self.label = label
+        self.nbytes = nbytes
+        self.device = src.device
+        self.src: torch.Tensor | None = src  # the saved tensor, held until the offload copy landed
+        self.src_ref = weakref.ref(src)  # to see in-place changes made after the copy, while it lives
+        self.version = src._version
+        self.host: HostBuffer | None = None
+        self.d2h: Copy | None = None
+        self.h2d: Copy | None = None
+        self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
+        self.handles = 0
+        self.error: str | None = None
+        self.lock = threading.Lock()
+
+    def offload(self) -> None:
+        engine = self.engine
+        self.host = engine.pool.acquire(self.nbytes)
+        src = self.src
+        flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
+
+        def copy(non_blocking: bool) -> None:
+            engine.pool.write(self.host, flat, non_blocking=non_blocking)
+
+        def landed() -> None:
+            if self.src is not None and self.src._version != self.version:
+                self.error = ("one of the variables needed for gradient computation has been modified by an "
+                              f"inplace operation (swapped activation of {self.label})")
+            self.src = None
+
+        self.d2h = engine.copier.submit(copy, landed)
+        engine.stats.offloaded_bytes += self.nbytes
+
+    def reload(self) -> None:
+        with self.lock:
+            if self.h2d is not None or self.host is None:
+                return
+            engine = self.engine
+            self.dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
+            dst, host = self.dst, self.host
+
+            def copy(non_blocking: bool) -> None:
+                engine.pool.read(host, dst, non_blocking=non_blocking)
+
+            def landed() -> None:
+                engine.pool.release(host)
+                self.host = None
+
+            self.h2d = engine.copier.submit(copy, landed)
+            engine.stats.reloaded_bytes += self.nbytes
+
+    def storage(self) -> torch.UntypedStorage:
+        engine = self.engine
+        if self.h2d is None:
+            engine.stats.on_demand_reloads += 1
+            self.reload()
+        waited = engine.copier.wait(self.h2d)
+        if waited > 0:
+            engine.stats.late_reloads += 1
+            engine.stats.wait_seconds += waited
+        for copy in (self.d2h, self.h2d):
+            if copy.error is not None:
+                raise RuntimeError(f"swap of {self.label} failed: {copy.error}") from copy.error
+        later = self.src_ref()
+        if self.error is None and later is not None and later._version != self.version:
+            self.error = ("one of the variables needed for gradient computation has been modified by an "
+                          f"inplace operation (swapped activation of {self.label})")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return self.dst.untyped_storage()
+
+    def drop_handle(self) -> None:
+        self.handles -= 1
+        if self.handles == 0:
+            self.dst = None
+            if self.host is not None and self.h2d is None:
+                host, self.host = self.host, None
+                if self.d2h is not None and not self.d2h.finished:
+                    self.engine.copier.submit(lambda nb: None, lambda: self.engine.pool.release(host))
+                else:
+                    self.engine.pool.release(host)
+
+
+class Packed:
+    """What autograd holds instead of a swapped saved tensor."""
+
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "__weakref__")
+
+    def __init__(self, record: _Record, t: torch.Tensor) -> None:
+        self.record = record
+        self.dtype = t.dtype
+        self.size = t.size()
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        record.handles += 1
+
+    def unpack(self) -> torch.Tensor:
+        storage = self.record.storage()
+        out = torch.empty(0, dtype=self.dtype, device=self.record.device)
+        return out.set_(storage, self.offset, self.size, self.stride)
+
+    def __del__(self) -> None:
+        record = self.record
+        if record is not None:
+            self.record = None
+            record.drop_handle()
+
+
+class SwapEngine:
+    """Offloads storages, keeps prefetch schedules, serves unpacks. One per optimized model."""
+
+    def __init__(self, *, device: torch.device | str, num_layers: int, host_store: str = "memory",
+                 host_dir: str | None = None) -> None:
+        self.device = torch.device(device)
+        self.num_layers = num_layers
+        if host_store == "file":
+            if self.device.type != "cpu":
+                raise ValueError(f"host_store='file' on device {self.device}: expected a cpu device "
+                                 "(accelerators swap to pinned host memory)")
+            self.pool: HostPool = FileHostPool(directory=host_dir)
+        elif host_store == "memory":
+            self.pool = MemoryHostPool(pin=self.device.type != "cpu")
+        else:
+            raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
+        self.copier = make_copier(self.device)
+        self.stats = SwapStats()
+        self._by_storage: dict[int, tuple[Any, _Record]] = {}
+        self._pending: dict[int, list[weakref.ref]] = {}
+
+    # ------------------------------------------------------------------ forward
+    def begin_forward(self) -> None:
+        self._by_storage.clear()
+        self.copier.reap()
+
+    def end_forward(self) -> None:
+        self._by_storage.clear()
+
+    def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
+        """Start copying ``t``'s storage to the host; returns the handle autograd keeps."""
+        st = t.untyped_storage()
+        key = st._cdata
+        known = self._by_storage.get(key)
+        if known is not None and known[0]() is not None:
+            return Packed(known[1], t)  # Note: [swap by storage]: saved twice or another view
+        record = _Record(self, t, st.nbytes(), label)
+        record.offload()
+        self._by_storage[key] = (weakref.ref(st), record)
+        if prefetch > 0:
+            trigger = min(layer + prefetch, self.num_layers)
+            self._pending.setdefault(trigger, []).append(weakref.ref(record))
+        return Packed(record, t)
+
+    # ------------------------------------------------------------------ backward
+    def on_backward(self, layer: int) -> None:
+        """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
+        and any whose trigger was skipped."""
+        for trigger in sorted((k for k in self._pending if k >= layer), reverse=True):
+            for ref in self._pending.pop(trigger):
+                record = ref()
+                if record is not None and record.handles > 0:
+                    record.reload()
+        self.copier.reap()
+
+    def close(self) -> None:
+        self.copier.close()
+        self._pending.clear()
+        self._by_storage.clear()
+        self.pool.clear()
+        if isinstance(self.pool, FileHostPool):
+            self.pool.close()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the pool holds (in use or free)."""
+        return self.pool.allocated_bytes
+
+
+def unpack_saved(x: Any) -> Any:
+    return x.unpack() if isinstance(x, Packed) else x
+

@@ -1,0 +1,384 @@
+"""The SwapManager: every saved activation in flight, and swapping them out on demand.
+
+It sits innermost in the saved-tensor hook stack (composing with whatever hooks
+were active, e.g. the executor's plan swaps or the profiler's recorder) and
+groups what autograd saves by storage. On :meth:`SwapManager.rescue` it frees
+the asked bytes by copying whole storages to the host, the one needed furthest
+in the future first (cost-aware with a profile: backward seconds until its use
+minus its reload time), through the :class:`SwapEngine`'s copy machinery. A
+swapped storage comes back when backward reaches the layer before its owner
+(prefetch, only into free headroom) or at unpack.
+
+Note: [never swap a tensor in use]. A storage is a candidate only while the
+manager's slots are its sole owners: the storage's use count equals the
+tensors the slots hold (plus their view bases) and no Python reference to
+those tensors exists outside the slots. An op reading the tensor holds a
+reference to it, so a running op's inputs are never swapped; nor is a slot
+autograd has unpacked. Swapping a shared storage would free nothing.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import logging
+import sys
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from profiler._units import find_layers
+
+from ._swap_engine import Packed, SwapEngine
+
+__all__ = ["SwapManager", "SwapState", "ManagerStats", "SwapExhaustedError"]
+
+log = logging.getLogger(__name__)
+
+
+class SwapState(str, enum.Enum):
+    DEVICE = "device"
+    COPYING_OUT = "copying-out"
+    HOST = "host"
+    COPYING_IN = "copying-in"
+
+
+class SwapExhaustedError(torch.OutOfMemoryError):
+    """Out of device memory with nothing swappable left."""
+
+
+@dataclass
+class ManagerStats:
+    rescues: int = 0
+    """Rescue requests that freed memory."""
+    failed_rescues: int = 0
+    """Rescue requests that could not free what was asked."""
+    swapped_out_bytes: int = 0
+    """Bytes moved to the host by rescues (cumulative)."""
+    prefetches: int = 0
+    """Reloads started ahead of use."""
+    on_demand: int = 0
+    """Reloads started at unpack."""
+
+
+class _Slot:
+    """What autograd holds for one saved tensor."""
+
+    __slots__ = ("group", "tensor", "packed", "outer_unpack", "used", "__weakref__")
+
+    def __init__(self, group: "_Group", tensor: torch.Tensor, outer_unpack: Callable[[Any], Any] | None) -> None:
+        self.group = group
+        self.tensor: torch.Tensor | None = tensor
+        self.packed: Packed | None = None
+        self.outer_unpack = outer_unpack
+        self.used = False
+
+
+class _Group:
+    """All saved tensors sharing one storage."""
+
+    __slots__ = ("key", "storage", "nbytes", "seq", "layer", "unit", "slots", "record", "__weakref__")
+
+    def __init__(self, key: int, storage: torch.UntypedStorage, seq: int, layer: int, unit: str) -> None:
+        self.key = key
+        self.storage = weakref.ref(storage)
+        self.nbytes = storage.nbytes()
+        self.seq = seq
+        self.layer = layer
+        self.unit = unit
+        self.slots: list[weakref.ref] = []
+        self.record: Any = None
+
+    def live_slots(self) -> list[_Slot]:
+        return [s for s in (r() for r in self.slots) if s is not None]
+
+    @property
+    def state(self) -> SwapState:
+        rec = self.record
+        if rec is None:
+            return SwapState.DEVICE
+        if rec.h2d is not None:
+            return SwapState.DEVICE if rec.h2d.finished else SwapState.COPYING_IN
+        return SwapState.HOST if rec.d2h.finished else SwapState.COPYING_OUT
+
+
+class SwapManager:
+    """Tracks saved activations of ``model``'s forwards; frees device memory on demand.
+
+    ``profile`` (a :class:`profiler.Profile`, optional) makes the choice cost-aware.
+    """
+
+    def __init__(self, model: nn.Module, *, profile: Any = None, device: torch.device | None = None) -> None:
+        self.model = model
+        self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
+        self.layers_info = find_layers(model)
+        self.layers = ([model.get_submodule(self.layers_info.layer_path(i)) for i in range(self.layers_info.count)]
+                       if self.layers_info else [])
+        self.engine = SwapEngine(device=self.device, num_layers=len(self.layers))
+        self.stats = ManagerStats()
+        self._groups: dict[int, _Group] = {}
+        self._seq = 0
+        self._layer: int | None = None
+        self._inside = False
+        self._path: list[str] = []
+        self._names = {id(m): n for n, m in model.named_modules()}
+        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._pushed: list[bool] = []
+        self._handles: list[Any] = []
+        self._no_rescue = 0
+        self._bwd_before: dict[int, float] = {}
+        self._h2d = 0.0
+        self.headroom: Callable[[], int | None] = lambda: None
+        """Free device bytes now (set by the adaptive loop from its OOM hook); prefetch stays inside it."""
+        self.prefetch_reserve = 0
+        """Bytes of headroom a prefetch must leave for backward's own allocations."""
+        if profile is not None:
+            self.set_profile(profile)
+
+    # ------------------------------------------------------------------ install
+    def attach(self) -> None:
+        """(Re)register the hooks; call again after anything else registers root hooks (stay innermost)."""
+        self.detach()
+        root = self.model
+        self._handles.append(root.register_forward_pre_hook(self._root_pre))
+        self._handles.append(root.register_forward_hook(self._root_post, prepend=True, always_call=True))
+        for i, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(functools.partial(self._layer_pre, i)))
+            self._handles.append(layer.register_forward_hook(functools.partial(self._layer_post, i)))
+        for module in root.modules():
+            if module is not root:
+                self._handles.append(module.register_forward_pre_hook(self._enter))
+                self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def close(self) -> None:
+        self.detach()
+        while self._pushed:
+            self._pop()
+        self.engine.close()
+        self._groups.clear()
+
+    def set_profile(self, profile: Any) -> None:
+        """Backward seconds before each layer's backward starts, and the reload bandwidth."""
+        after = len(self.layers)
+        per_layer: dict[int, float] = {}
+        seen_layer = False
+        for unit in profile.units:
+            seen_layer = seen_layer or unit.layer is not None
+            pos = unit.layer if unit.layer is not None else (after if seen_layer else -1)
+            per_layer[pos] = per_layer.get(pos, 0.0) + unit.bwd_time
+        before: dict[int, float] = {}
+        acc = 0.0
+        for pos in sorted(per_layer, reverse=True):
+            before[pos] = acc
+            acc += per_layer[pos]
+        self._bwd_before = before
+        self._h2d = float(getattr(profile.hardware, "h2d_bandwidth", 0.0) or 0.0)
+
+    # ------------------------------------------------------------------ forward hooks
+    def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if not torch.is_grad_enabled():
+            self._pushed.append(False)
+            return
+        if not self._pushed:
+            self._layer = None
+            self._inside = False
+            self.engine.begin_forward()
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        pack, unpack = (outer if outer is not None else (None, None))
+        torch._C._autograd._push_saved_tensors_default_hooks(functools.partial(self._pack, pack, unpack),
+                                                             self._unpack)
+        self._pushed.append(True)
+
+    def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._pushed:
+            self._pop()
+
+    def _pop(self) -> None:
+        if self._pushed.pop():
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+
+    def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
+        self._layer = i
+        self._inside = True
+
+    def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._inside = False
+        if not torch.is_grad_enabled():
+            return
+        t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
+                  if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        if t is not None:
+            t.register_hook(lambda grad: self._on_backward(i))
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        self._path.append(self._names.get(id(module), ""))
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._path:
+            self._path.pop()
+
+    def _position(self) -> int:
+        """Layer index of what runs now: -1 before the layers, ``num_layers`` after them."""
+        if self._inside and self._layer is not None:
+            return self._layer
+        return -1 if self._layer is None else len(self.layers)
+
+    # ------------------------------------------------------------------ saved-tensor hooks
+    def _pack(self, outer_pack: Callable | None, outer_unpack: Callable | None, t: torch.Tensor) -> Any:
+        inner = outer_pack(t) if outer_pack is not None else t
+        if (not isinstance(inner, torch.Tensor) or isinstance(inner, nn.Parameter) or inner.device != self.device
+                or inner.is_sparse or type(inner) is not torch.Tensor):
+            return ("opaque", inner, outer_unpack)
+        st = inner.untyped_storage()
+        key = st._cdata
+        if key in self._params or st.nbytes() == 0:
+            return ("opaque", inner, outer_unpack)
+        self._seq += 1
+        group = self._groups.get(key)
+        if group is None or group.storage() is not st or group.record is not None:
+            group = _Group(key, st, self._seq, self._position(), self._path[-1] if self._path else "")
+            self._groups[key] = group
+        group.seq = self._seq  # next use in backward follows the last save
+        slot = _Slot(group, inner, outer_unpack)
+        group.slots.append(weakref.ref(slot))
+        return slot
+
+    def _unpack(self, packed: Any) -> Any:
+        if isinstance(packed, tuple):
+            _, inner, outer_unpack = packed
+            return outer_unpack(inner) if outer_unpack is not None else inner
+        slot: _Slot = packed
+        slot.used = True
+        if slot.tensor is not None:
+            t = slot.tensor
+        else:
+            assert slot.packed is not None, "swapped slot without its host copy"
+            if slot.group.record.h2d is None:
+                self.stats.on_demand += 1
+            t = slot.packed.unpack()
+        return slot.outer_unpack(t) if slot.outer_unpack is not None else t
+
+    # ------------------------------------------------------------------ queries
+    def groups(self) -> list[_Group]:
+        """Storages in flight (pruned of those autograd has released)."""
+        dead = [k for k, g in self._groups.items() if not g.live_slots()]
+        for k in dead:
+            del self._groups[k]
+        return list(self._groups.values())
+
+    def in_flight_bytes(self, state: SwapState | None = None) -> int:
+        return sum(g.nbytes for g in self.groups() if state is None or g.state is state)
+
+    def _exclusive(self, group: _Group) -> bool:
+        """Note: [never swap a tensor in use]."""
+        slots = group.live_slots()
+        st = group.storage()
+        if st is None or not slots or any(s.used or s.tensor is None for s in slots):
+            return False
+        tensors: dict[int, torch.Tensor] = {}
+        holders: dict[int, int] = {}
+        for s in slots:
+            tensors[id(s.tensor)] = s.tensor
+            holders[id(s.tensor)] = holders.get(id(s.tensor), 0) + 1
+        for tid in tensors:
+            # references: the slots' attributes, the ``tensors`` dict and getrefcount's argument
+            if sys.getrefcount(tensors[tid]) - holders[tid] - 2 > 0:
+                return False
+        impls = set(tensors)
+        for tid in tensors:
+            base = tensors[tid]._base
+            if base is not None:
+                impls.add(id(base))
+        # the storage's owners: the tensors above (and their bases) plus the ``st`` reference here
+        return torch._C._storage_Use_Count(st._cdata) <= len(impls) + 1
+
+    def _score(self, group: _Group) -> float:
+        if not self._bwd_before:
+            return -float(group.seq)
+        until = self._bwd_before.get(group.layer, 0.0)
+        reload = group.nbytes / self._h2d if self._h2d > 0 else 0.0
+        return until - reload - group.seq * 1e-12
+
+    def largest_unswappable(self) -> tuple[int, str]:
+        """Largest device tensor the manager cannot move: in-use activations or parameters."""
+        best = (0, "")
+        for g in self.groups():
+            if g.record is None and not self._exclusive(g) and g.nbytes > best[0]:
+                best = (g.nbytes, f"activation of {g.unit or 'the model'}")
+        for name, p in self.model.named_parameters():
+            nbytes = p.untyped_storage().nbytes()
+            if nbytes > best[0]:
+                best = (nbytes, f"parameter {name}")
+        return best
+
+    def exhausted(self, needed: int, budget: int | None) -> SwapExhaustedError:
+        """The error for an allocation no swap can make room for, with the numbers."""
+        size, what = self.largest_unswappable()
+        left = sum(g.nbytes for g in self.groups() if g.record is None and self._exclusive(g))
+        return SwapExhaustedError(
+            f"out of device memory: needed {needed} more bytes, budget {budget if budget is not None else 'unknown'} "
+            f"bytes, swappable left {left} bytes ({self.in_flight_bytes(SwapState.HOST)} bytes already on the "
+            f"host); largest unswappable tensor: {what}, {size} bytes")
+
+    # ------------------------------------------------------------------ rescue
+    def rescue(self, needed: int) -> bool:
+        """Swap out storages until ``needed`` bytes are released; True if anything was."""
+        if self._no_rescue or needed <= 0:
+            return False
+        candidates = [g for g in self.groups() if g.record is None and self._exclusive(g)]
+        candidates.sort(key=self._score, reverse=True)
+        freed = 0
+        for group in candidates:
+            if freed >= needed:
+                break
+            if self._swap_out(group):
+                freed += group.nbytes
+        if freed:
+            self.stats.rescues += 1
+            self.stats.swapped_out_bytes += freed
+            log.debug("rescue: asked %d bytes, swapped out %d", needed, freed)
+        if freed < needed:
+            self.stats.failed_rescues += 1
+        return freed > 0
+
+    def _swap_out(self, group: _Group) -> bool:
+        slots = group.live_slots()
+        label = group.unit or "activation"
+        for s in slots:
+            s.packed = self.engine.offload(s.tensor, label=label, layer=group.layer, prefetch=0)
+            s.tensor = None
+        group.record = slots[0].packed.record
+        assert all(s.packed.record is group.record for s in slots), "one storage, one host copy"
+        self.engine.copier.wait(group.record.d2h)  # the device bytes are free once the copy landed
+        return True
+
+    # ------------------------------------------------------------------ backward
+    def _on_backward(self, layer: int) -> None:
+        """Backward begins ``layer``: bring back what the next layer needs, if it fits."""
+        room = self.headroom()
+        if room is not None:
+            room -= self.prefetch_reserve
+        for group in sorted(self.groups(), key=lambda g: -g.seq):
+            if group.state is not SwapState.HOST or group.layer < layer - 1:
+                continue
+            if room is not None and group.nbytes > room:
+                break
+            self._no_rescue += 1
+            try:
+                group.record.reload()
+            except torch.OutOfMemoryError:
+                break  # it will come back on demand
+            finally:
+                self._no_rescue -= 1
+            self.stats.prefetches += 1
+            if room is not None:
+                room -= group.nbytes

@@ -1,0 +1,245 @@
+"""``profile_step``: record one training step of a model into a :class:`Profile`."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from ._fingerprint import model_fingerprint
+from ._hardware import hardware_spec, measure_device, measure_link
+from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
+from ._recorder import OpEvent, Recorder
+from ._static import static_memory
+
+__all__ = ["StepTarget", "profile_step"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepTarget:
+    """What ``profile_step`` runs: a model, one step's inputs and a loss closure."""
+
+    model: nn.Module
+    """The model (parameters on the profiled device, or fake tensors)."""
+    inputs: tuple[torch.Tensor, ...]
+    """The step's inputs (counted as live memory; saved copies land in ``saved_input_bytes``)."""
+    loss: Callable[[], torch.Tensor]
+    """Runs the forward and returns the scalar loss."""
+    fake_mode: Any = None
+    """The ``FakeTensorMode`` of a fake model, or None."""
+    info: dict[str, Any] | None = None
+    """``spec``, ``batch_size``, ``seq_len``, ``dtype`` recorded in ``Profile.model``."""
+
+
+def _target(target: Any, inputs: Sequence[torch.Tensor] | None, loss_fn: Callable | None) -> StepTarget:
+    if isinstance(target, StepTarget):
+        return target
+    if isinstance(target, nn.Module):
+        if inputs is None or loss_fn is None:
+            raise ValueError("profile_step(model): expected inputs= and loss_fn=(model, inputs) -> scalar loss")
+        batch = tuple(inputs)
+        return StepTarget(model=target, inputs=batch, loss=lambda: loss_fn(target, batch),
+                          fake_mode=_fake_mode_of(target))
+    # A ModelBundle (duck-typed: the profiler does not import adaptive_mem).
+    for attr in ("model", "batch", "loss"):
+        if not hasattr(target, attr):
+            raise ValueError(f"profile_step target {type(target).__name__}: expected an nn.Module or a ModelBundle")
+    fake_mode = getattr(target, "fake_mode", None)
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        batch = tuple(target.batch(seed=0))
+    info = {k: getattr(target, k) for k in ("spec", "batch_size", "seq_len") if hasattr(target, k)}
+    info["dtype"] = str(getattr(target, "dtype", "")).removeprefix("torch.")
+    return StepTarget(model=target.model, inputs=batch, loss=lambda: target.loss(batch), fake_mode=fake_mode, info=info)
+
+
+def _fake_mode_of(model: nn.Module) -> Any:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    param = next(model.parameters(), None)
+    return param.fake_mode if isinstance(param, FakeTensor) else None
+
+
+def _device(model: nn.Module, fake: bool) -> torch.device:
+    if fake:
+        return torch.device("meta")
+    param = next(model.parameters(), None)
+    return param.device if param is not None else torch.device("cpu")
+
+
+def _resolve_hardware(hardware: str | HardwareSpec | None, device: torch.device, dtype: torch.dtype) -> HardwareSpec:
+    if isinstance(hardware, HardwareSpec):
+        return hardware
+    if device.type == "meta":
+        return hardware_spec(hardware or "h100", dtype=dtype)
+    if device.type == "cpu":
+        if hardware not in (None, "cpu"):
+            raise ValueError(f"hardware={hardware!r}: a cpu profile is measured here; expected hardware=cpu "
+                             "(or profile on device=meta to estimate for a named spec)")
+        return hardware_spec("cpu", dtype=dtype)
+    if hardware is None:
+        return measure_device(device, dtype=dtype)
+    return hardware_spec(hardware, dtype=dtype)
+
+
+def _clear_grads(model: nn.Module) -> None:
+    for p in model.parameters():
+        p.grad = None
+
+
+def _plain_step_seconds(target: StepTarget, device: torch.device, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        _clear_grads(target.model)
+        _sync(device)
+        start = time.perf_counter()
+        target.loss().backward()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    _clear_grads(target.model)
+    return sorted(times)[len(times) // 2]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type not in ("cpu", "meta"):
+        torch.accelerator.synchronize(device)
+
+
+def profile_step(
+    target: Any,
+    *,
+    inputs: Sequence[torch.Tensor] | None = None,
+    loss_fn: Callable[[nn.Module, tuple], torch.Tensor] | None = None,
+    hardware: str | HardwareSpec | None = None,
+    optimizer: str | torch.optim.Optimizer | None = None,
+    warmup: int = 1,
+    repeat: int = 1,
+) -> Profile:
+    """Profile one training step (forward + backward) of ``target``.
+
+    ``target`` is a ``ModelBundle`` (from ``adaptive_mem.build_model``), a
+    :class:`StepTarget`, or an ``nn.Module`` with ``inputs`` and ``loss_fn``.
+    On a real device times are measured (``warmup`` untimed plain steps, then
+    ``repeat`` timed plain steps whose median is ``step_time``, then one
+    recorded step; ``repeat=0`` takes ``step_time`` from the recorded ops); on
+    fake tensors they are estimated for ``hardware`` (default ``h100``).
+    Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
+    """
+    step = _target(target, inputs, loss_fn)
+    model = step.model
+    fake = step.fake_mode is not None
+    device = _device(model, fake)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    hw = _resolve_hardware(hardware, device, dtype)
+    static = static_memory(model, optimizer=optimizer)
+    saved_grads = [(p, p.grad) for p in model.parameters()]
+    was_training = model.training
+    model.train()
+    rng_devices = [device] if device.type not in ("cpu", "meta") else []
+    start = time.perf_counter()
+    try:
+        with torch.random.fork_rng(devices=rng_devices), (step.fake_mode or contextlib.nullcontext()):
+            recorder, step_time = _record(step, device, hw, fake, warmup, repeat)
+    finally:
+        model.train(was_training)
+        for p, grad in saved_grads:
+            p.grad = grad
+    result = _build(step, recorder, hw, static, device, fake, step_time, dtype)
+    log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
+             "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
+    return result
+
+
+def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int,
+            repeat: int) -> tuple[Recorder, float | None]:
+    model = step.model
+    step_time = None
+    if not fake:
+        if warmup > 0:
+            _plain_step_seconds(step, device, warmup)
+        if repeat > 0:
+            step_time = _plain_step_seconds(step, device, repeat)
+    _clear_grads(model)
+    static_tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
+    recorder = Recorder(model, timing="estimate" if fake else "measure", hardware=hw, static=static_tensors,
+                        sync_device=device if device.type not in ("cpu", "meta") else None)
+    recorder.start_memory([*static_tensors, *step.inputs])
+    accel = device.type not in ("cpu", "meta")
+    if accel:
+        torch.accelerator.reset_peak_memory_stats(device)
+    with recorder.forward():
+        loss = step.loss()
+    with recorder.backward():
+        loss.backward()
+    if accel:
+        recorder.peak_bytes = torch.accelerator.max_memory_allocated(device)
+    del loss
+    _clear_grads(model)
+    return recorder, step_time
+
+
+def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,
+           step_time: float | None, dtype: torch.dtype) -> Profile:
+    namer = recorder.namer
+    ops = [_op_record(e, namer) for e in recorder.events]
+    units = _units(recorder.events, namer)
+    if step_time is None:
+        step_time = sum(o.fwd_time + o.bwd_time for o in ops) + recorder.unattributed_bwd_time
+    link_source = "spec"
+    if device.type == "cpu" or (device.type != "meta" and hw.source.startswith("measured")):
+        link_source = "measured"  # the spec itself was measured on this device
+    elif device.type != "meta":
+        h2d, d2h = measure_link(device)
+        hw = HardwareSpec(**{**hw.__dict__, "h2d_bandwidth": h2d, "d2h_bandwidth": d2h})
+        link_source = "measured"
+    info = dict(step.info or {})
+    info.setdefault("spec", "")
+    info.setdefault("dtype", str(dtype).removeprefix("torch."))
+    info["parameters"] = sum(p.numel() for p in {id(p): p for p in step.model.parameters()}.values())
+    info["fingerprint"] = model_fingerprint(step.model, input_shapes=[list(t.shape) for t in step.inputs],
+                                            dtype=info["dtype"])
+    layers = namer.layers
+    return Profile(
+        model=info, device=device.type, measured=not fake, hardware=hw,
+        layer_container=layers.container if layers else None, num_layers=layers.count if layers else 0,
+        static=static, ops=ops, units=units, saved_input_bytes=recorder.saved_input_bytes,
+        peak_memory=int(recorder.peak_bytes + static.optimizer_state), step_time=float(step_time),
+        link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
+    )
+
+
+def _op_record(event: OpEvent, namer) -> OpRecord:
+    layer, _ = namer.split(event.unit)
+    return OpRecord(
+        index=event.index, op=str(event.func), unit=event.unit, module=event.module, layer=layer,
+        output_bytes=event.output_bytes, saved_bytes=event.saved_bytes, fwd_time=event.fwd_time,
+        bwd_time=event.bwd_time, flops=event.flops, consumers=sorted(event.consumers),
+    )
+
+
+def _units(events: list[OpEvent], namer) -> list[UnitRecord]:
+    order: dict[str, list[OpEvent]] = {}
+    for e in events:
+        order.setdefault(e.unit, []).append(e)
+    unit_of = {e.index: e.unit for e in events}
+    out = []
+    for name, members in order.items():
+        layer, local = namer.split(name)
+        consumers = []
+        for e in members:
+            for c in sorted(e.consumers):
+                if unit_of[c] != name and unit_of[c] not in consumers:
+                    consumers.append(unit_of[c])
+        out.append(UnitRecord(
+            name=name, local_name=local, layer=layer, ops=[e.index for e in members],
+            output_bytes=sum(e.output_bytes for e in members), saved_bytes=sum(e.saved_bytes for e in members),
+            fwd_time=sum(e.fwd_time for e in members), bwd_time=sum(e.bwd_time for e in members),
+            consumers=consumers,
+        ))
+    return out

@@ -1,0 +1,167 @@
+"""``StepModel``: the numbers of a Profile arranged for the simulator and the solvers.
+
+Positions: 0 = units before the repeated layers ("pre"), ``1 + i`` = layer ``i``,
+``num_layers + 1`` = units after the layers ("post"). Backward runs the positions
+in reverse. Every per-unit quantity the rules of ``docs/plan-format.md`` need is
+precomputed here once, so simulating a plan is a few passes over small lists.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from profiler._profile import HardwareSpec, Profile, ProfileError
+from profiler._units import _MATMUL_OPS
+
+__all__ = ["StepModel", "UnitInfo", "SAC_MUST_SAVE_LABELS"]
+
+log = logging.getLogger(__name__)
+
+SAC_MUST_SAVE_LABELS = ("matmul", "flash_attention")
+"""Op labels the selective-checkpoint policy always caches (Note: [SAC policy])."""
+
+
+def aten_label(op: str) -> str:
+    """``aten.mm.default`` -> ``matmul``; SDPA kernels -> ``flash_attention``; else the packet name."""
+    parts = op.split(".")
+    name = (parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]).strip("_")
+    if name in _MATMUL_OPS:
+        return "matmul"
+    if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
+        return "flash_attention"
+    return name
+
+
+@dataclass
+class UnitInfo:
+    index: int
+    name: str
+    local_name: str
+    position: int
+    saved: int
+    """Saved bytes (what keep costs)."""
+    output: int
+    """Output bytes."""
+    fwd: float
+    bwd: float
+    pinned: bool
+    """Output read by a unit of another position (the layer output): recompute never frees it."""
+    sac_extra: int
+    """Output bytes of this unit's matmul/attention ops that autograd does not save: cached by the SAC
+    policy when the unit is not recomputed in an op-level-recomputed layer (Note: [SAC policy])."""
+    sac_replay: float
+    """Forward seconds of this unit's ops that the SAC policy replays even when the unit is not marked
+    recompute (no saved output, not matmul/attention)."""
+    fwd_end: float = 0.0
+    """Forward end time of the unit in an unoptimized step (forward has no stalls)."""
+    consumers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepModel:
+    profile: Profile
+    hardware: HardwareSpec
+    units: list[UnitInfo]
+    positions: list[list[int]]
+    """Unit indices per position, in forward order."""
+    input_extra: list[int]
+    """Per position: bytes of its inputs from other positions that are not saved anyway (held by a
+    whole-layer checkpoint)."""
+    base: int
+    """Static memory + saved model inputs: held for the whole step."""
+    boundary: int
+    """Workspace at the start of backward beyond saved activations (loss, logits gradient)."""
+    other_time: float
+    """Step seconds outside forward/backward of units (optimizer step) in a measured profile."""
+    forward_time: float
+    backward_time: float
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.positions) - 2
+
+    @property
+    def layer_positions(self) -> range:
+        return range(1, len(self.positions) - 1)
+
+    def layer_of(self, position: int) -> int | None:
+        return position - 1 if 1 <= position <= self.num_layers else None
+
+    def d2h(self, nbytes: int) -> float:
+        return nbytes / self.hardware.d2h_bandwidth
+
+    def h2d(self, nbytes: int) -> float:
+        return nbytes / self.hardware.h2d_bandwidth
+
+    @property
+    def activation_bytes(self) -> int:
+        return sum(u.saved for u in self.units)
+
+    @classmethod
+    def build(cls, profile: Profile, *, hardware: HardwareSpec | None = None,
+              outside: frozenset[str] = frozenset()) -> "StepModel":
+        """``outside``: unit names that exist on another pipeline stage (their inputs stay pinned)."""
+        hw = hardware or profile.hardware
+        if hw.h2d_bandwidth <= 0 or hw.d2h_bandwidth <= 0:
+            raise ProfileError(f"hardware {hw.name!r}: h2d/d2h bandwidth must be > 0")
+        n = profile.num_layers
+        by_name: dict[str, int] = {}
+        units: list[UnitInfo] = []
+        seen_layer = False
+        for i, rec in enumerate(profile.units):
+            if rec.layer is not None:
+                if not 0 <= rec.layer < n:
+                    raise ProfileError(f"profile.units[{i}].layer={rec.layer}: expected 0..{n - 1}")
+                pos = rec.layer + 1
+                seen_layer = True
+            else:
+                pos = n + 1 if seen_layer else 0
+            if rec.name in by_name:
+                raise ProfileError(f"profile.units[{i}].name={rec.name!r}: duplicate unit name")
+            by_name[rec.name] = i
+            extra = 0
+            replay = 0.0
+            for oi in rec.ops:
+                if not 0 <= oi < len(profile.ops):
+                    raise ProfileError(f"profile.units[{i}].ops: index {oi} out of range")
+                op = profile.ops[oi]
+                label = aten_label(op.op)
+                if label in SAC_MUST_SAVE_LABELS:
+                    extra += max(0, op.output_bytes - op.saved_bytes)
+                elif op.saved_bytes == 0:
+                    replay += op.fwd_time
+            units.append(UnitInfo(index=i, name=rec.name, local_name=rec.local_name, position=pos,
+                                  saved=rec.saved_bytes, output=rec.output_bytes, fwd=rec.fwd_time, bwd=rec.bwd_time, pinned=False,
+                                  sac_extra=extra, sac_replay=replay))
+        positions: list[list[int]] = [[] for _ in range(n + 2)]
+        for u in units:
+            positions[u.position].append(u.index)
+        input_extra = [0] * (n + 2)
+        held_inputs: set[tuple[int, int]] = set()
+        for i, rec in enumerate(profile.units):
+            for cname in rec.consumers:
+                j = by_name.get(cname)
+                if j is None and cname in outside:
+                    units[i].pinned = True
+                    continue
+                if j is None:
+                    raise ProfileError(f"profile.units[{i}].consumers: unknown unit {cname!r}")
+                units[i].consumers.append(j)
+                if units[j].position != units[i].position:
+                    units[i].pinned = True
+                    if rec.saved_bytes == 0 and (i, units[j].position) not in held_inputs:
+                        held_inputs.add((i, units[j].position))
+                        input_extra[units[j].position] += rec.output_bytes
+        t = 0.0
+        for u in units:
+            t += u.fwd
+            u.fwd_end = t
+        fwd = sum(u.fwd for u in units)
+        bwd = sum(u.bwd for u in units)
+        saved = sum(u.saved for u in units) + profile.saved_input_bytes
+        boundary = max(0, profile.peak_memory - profile.static.total - saved)
+        other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
+        return cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
+                   base=profile.static.total + profile.saved_input_bytes, boundary=boundary, other_time=other,
+                   forward_time=fwd, backward_time=bwd)

@@ -1,0 +1,171 @@
+"""The solver contract: a ``Problem`` in, one ``SolveResult`` out, for every solver.
+
+A solver chooses an :class:`Assignment` (per-unit keep / recompute / swap and prefetch
+distances); the result carries the plan, the simulator's verdict on it, and statistics.
+Solvers are looked up by name with :func:`get_solver`.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ._model import StepModel
+from ._plan import Action, Decision, Plan
+from ._simulator import Assignment, simulate_assignment
+from ._timeline import Simulation
+
+__all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "Solver", "SolverStats",
+           "UnknownSolverError", "fmt_seconds", "get_solver", "register_solver", "solver_names", "plan_from_assignment"]
+
+log = logging.getLogger(__name__)
+
+
+class UnknownSolverError(ValueError):
+    """No solver of that name."""
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan of the solver's space fits the memory budget."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    model: StepModel
+    """Profile numbers arranged for the simulator."""
+    budget: int
+    """Peak device bytes allowed, static memory included."""
+    in_flight: int = 1
+    """Micro-batches whose activations the device holds at once (1F1B pipeline stage: min(P - s, M))."""
+    progress: bool = False
+    """Show progress on stderr for long searches."""
+
+
+@dataclass(frozen=True)
+class PredictedCost:
+    peak_bytes: int
+    """Predicted peak device memory of the plan."""
+    step_time: float
+    """Predicted seconds per step."""
+    stall_time: float
+    """Predicted seconds the compute stream waits for reloads."""
+
+    @classmethod
+    def of(cls, sim: Simulation) -> "PredictedCost":
+        return cls(sim.peak_bytes, sim.step_time, sim.stall_time)
+
+
+@dataclass(frozen=True)
+class SolverStats:
+    solve_time: float
+    """Wall seconds the solver took."""
+    lower_bound: float | None = None
+    """Proven lower bound on the step time of any plan of the solver's space under the budget (None: no proof)."""
+    gap: float | None = None
+    """(step_time - lower_bound) / step_time, None when there is no bound."""
+    iterations: int = 0
+    """Solver-specific: MILP solves / optuna trials / candidate plans simulated."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Solver-specific details (menu sizes, status)."""
+
+
+@dataclass(frozen=True)
+class SolveResult:
+    solver: str
+    plan: Plan
+    cost: PredictedCost
+    stats: SolverStats
+    budget: int
+    assignment: Assignment
+
+
+class Solver(abc.ABC):
+    """Base of every solver: ``solve(problem) -> SolveResult``; the plan must fit ``problem.budget``."""
+
+    name: str = ""
+
+    @abc.abstractmethod
+    def choose(self, problem: Problem) -> tuple[Assignment, dict[str, Any]]:
+        """Return the chosen assignment and stats fields (``lower_bound``, ``iterations``, ``extra``)."""
+
+    def solve(self, problem: Problem) -> SolveResult:
+        start = time.perf_counter()
+        asg, info = self.choose(problem)
+        elapsed = time.perf_counter() - start
+        sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
+        if sim.peak_bytes > problem.budget:
+            raise InfeasibleBudgetError(
+                f"solver {self.name!r}: its plan needs {fmt_bytes(sim.peak_bytes)} > budget {fmt_bytes(problem.budget)}")
+        bound = info.get("lower_bound")
+        gap = None if bound is None else max(0.0, (sim.step_time - bound) / sim.step_time)
+        stats = SolverStats(solve_time=elapsed, lower_bound=bound, gap=gap, iterations=info.get("iterations", 0),
+                            extra=info.get("extra", {}))
+        plan = plan_from_assignment(problem.model, asg)
+        plan.meta.update({"solver": self.name, "budget": problem.budget, "predicted_peak_bytes": sim.peak_bytes,
+                          "predicted_step_time": round(sim.step_time, 9), "predicted_stall_time": round(sim.stall_time, 9)})
+        if bound is not None:
+            plan.meta.update({"lower_bound": round(bound, 9), "gap": round(gap or 0.0, 9)})
+        log.debug("solver %s: peak %s (budget %s), step %.4f s, stall %.4f s, solved in %.2f s%s", self.name,
+                 fmt_bytes(sim.peak_bytes), fmt_bytes(problem.budget), sim.step_time, sim.stall_time, elapsed,
+                 "" if gap is None else f", gap {gap:.3%}")
+        return SolveResult(self.name, plan, PredictedCost.of(sim), stats, problem.budget, asg)
+
+
+_REGISTRY: dict[str, Callable[..., Solver]] = {}
+
+
+def register_solver(name: str, factory: Callable[..., Solver]) -> None:
+    _REGISTRY[name] = factory
+
+
+def solver_names() -> list[str]:
+    _load()
+    return list(_REGISTRY)
+
+
+def get_solver(name: str, **options: Any) -> Solver:
+    _load()
+    if name not in _REGISTRY:
+        raise UnknownSolverError(f"--solver={name!r}: unknown solver; expected one of {', '.join(_REGISTRY)}")
+    return _REGISTRY[name](**options)
+
+
+def _load() -> None:
+    from . import _baselines, _milp, _optuna  # noqa: F401  (register themselves)
+
+
+def fmt_seconds(t: float) -> str:
+    return f"{t:.4f} s" if abs(t) >= 1 else f"{t * 1e3:.3f} ms" if abs(t) >= 1e-3 else f"{t * 1e6:.2f} us"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:
+    """Compact plan: ``<layer>: recompute`` for whole layers, unit targets otherwise."""
+    container = model.profile.layer_container
+    decisions: dict[str, Decision] = {}
+    for p, members in enumerate(model.positions):
+        layer = model.layer_of(p)
+        acts = [asg.actions[i] for i in members]
+        if layer is not None and members and all(a is Action.RECOMPUTE for a in acts):
+            path = f"{container}.{layer}" if container else str(layer)
+            decisions[path] = Decision(Action.RECOMPUTE)
+            continue
+        for i, a in zip(members, acts):
+            if a is Action.SWAP:
+                decisions[model.units[i].name] = Decision(Action.SWAP, asg.prefetch[i])
+            elif a is Action.RECOMPUTE:
+                decisions[model.units[i].name] = Decision(Action.RECOMPUTE)
+    groups = [list(range(a - 1, b)) for a, b in asg.groups]
+    prof = model.profile
+    info = {k: prof.model.get(k) for k in ("spec", "batch_size", "seq_len", "dtype") if prof.model.get(k) is not None}
+    info["num_layers"] = prof.num_layers
+    return Plan(decisions=decisions, fingerprint=prof.model.get("fingerprint"), model=info, groups=groups)

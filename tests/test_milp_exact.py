@@ -1,0 +1,68 @@
+"""Acceptance: on random small instances the MILP's plan is the brute-force optimum of the simulator."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from search._model import StepModel
+from search._plan import Action
+from search._simulator import Assignment, couple, simulate_assignment
+from search._solver import InfeasibleBudgetError, Problem, get_solver
+from search._synthetic import random_profile
+
+PREFETCH = (0, 1, 2)
+N_INSTANCES = 200
+
+
+def brute_force(model: StepModel, budget: int) -> float | None:
+    """Min simulated step time over every keep/recompute/swap assignment and per-layer prefetch distance."""
+    layers = [p for p in model.layer_positions if model.positions[p]]
+    n = len(model.units)
+    best = None
+    for acts in itertools.product((Action.KEEP, Action.RECOMPUTE, Action.SWAP), repeat=n):
+        swap_layers = [p for p in layers if any(acts[i] is Action.SWAP for i in model.positions[p])]
+        for ds in itertools.product(PREFETCH, repeat=len(swap_layers)):
+            pf = [1] * n
+            for p, d in zip(swap_layers, ds):
+                for i in model.positions[p]:
+                    pf[i] = d
+            asg = couple(model, Assignment(acts, tuple(pf)))
+            sim = simulate_assignment(model, asg)
+            if sim.peak_bytes <= budget and (best is None or sim.step_time < best):
+                best = sim.step_time
+    return best
+
+
+def _instance(seed: int) -> tuple[StepModel, int]:
+    rng = random.Random(seed)
+    if seed % 25 == 0:  # the largest instances: 8 units, 3^8 x prefetch choices to enumerate
+        layers, per = 2, 4
+    else:
+        layers = rng.choice([1, 2, 2, 3])
+        per = rng.randint(1, 6 // layers) if layers > 1 else rng.randint(2, 5)
+    model = StepModel.build(random_profile(rng, num_layers=layers, units_per_layer=per, identical=rng.random() < 0.5))
+    keep = simulate_assignment(model, Assignment(tuple([Action.KEEP] * len(model.units)), tuple([1] * len(model.units))))
+    budget = model.base + int(rng.uniform(0.3, 1.05) * (keep.peak_bytes - model.base))
+    return model, budget
+
+
+@pytest.mark.parametrize("chunk", range(10))
+def test_milp_equals_brute_force(chunk):
+    per_chunk = N_INSTANCES // 10
+    solver = get_solver("milp", prefetch=PREFETCH)
+    for seed in range(chunk * per_chunk, (chunk + 1) * per_chunk):
+        model, budget = _instance(seed)
+        assert len(model.units) <= 8
+        expected = brute_force(model, budget)
+        if expected is None:
+            with pytest.raises(InfeasibleBudgetError):
+                solver.solve(Problem(model, budget))
+            continue
+        result = solver.solve(Problem(model, budget))
+        assert result.cost.peak_bytes <= budget
+        assert result.cost.step_time == pytest.approx(expected, rel=1e-6, abs=1e-9), seed
+        assert result.stats.lower_bound is not None and result.stats.lower_bound <= result.cost.step_time + 1e-9
+        assert result.stats.gap is not None and result.stats.gap <= 1e-5
