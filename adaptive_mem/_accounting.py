@@ -98,6 +98,7 @@ class DeviceMemory(TorchDispatchMode):
     # ------------------------------------------------------------------ mode
     def __enter__(self) -> "DeviceMemory":
         if self.track_existing:
+            gc.collect()  # unreachable tensors would otherwise count until the collector frees them mid-step
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # isinstance() wakes deprecated lazy module attributes
                 self.track([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])

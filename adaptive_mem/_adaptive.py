@@ -19,10 +19,8 @@ Plans change only between steps: hooks are never added while a forward runs.
 
 from __future__ import annotations
 
-import enum
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,6 +34,7 @@ from ._accounting import host_allocations
 from ._oom import OomHook, make_hook
 from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._swap_manager import SwapManager
+from ._target_search import Move, StepRecord, TargetSearch
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
 
@@ -50,61 +49,6 @@ def _fmt(n: float) -> str:
     from search._solver import fmt_bytes
 
     return f"{fmt_bytes(n)} ({int(n)} bytes)"
-
-
-# --------------------------------------------------------------------------- the target policy
-class Move(str, enum.Enum):
-    TIGHTEN = "tighten"
-    """A rescue happened: the plan needs more room than the simulator thought."""
-    RELAX = "relax"
-    """A clean step with room left: try a faster plan."""
-    CONVERGED = "converged"
-    """The interval is closed: keep this target."""
-
-
-@dataclass
-class TargetSearch:
-    """Binary search on the memory target given to the solver, between ``lo`` (known clean or the
-    minimum feasible) and ``hi`` (known to need rescues, or just above the budget)."""
-
-    lo: int
-    hi: int
-    target: int
-    tolerance: int
-
-    def observe(self, *, rescued: bool) -> Move:
-        if rescued:
-            self.hi = self.target
-            if self.hi - self.lo <= self.tolerance:
-                self.target = self.lo
-                return Move.CONVERGED
-        else:
-            self.lo = self.target
-            if self.hi - self.lo <= self.tolerance:
-                return Move.CONVERGED
-        self.target = (self.lo + self.hi) // 2
-        return Move.TIGHTEN if rescued else Move.RELAX
-
-
-@dataclass
-class StepRecord:
-    step: int
-    """1-based step index since the loop started."""
-    kind: str
-    """``warmup`` (plain model, profiling), ``cached`` (plan from the cache applied after it), ``adapt``,
-    ``steady`` (converged)."""
-    target: int | None
-    """Memory target the step's plan was searched for."""
-    peak: int | None
-    """Measured peak device bytes of the step (None where the device cannot tell)."""
-    seconds: float
-    """Forward + backward wall time."""
-    rescues: int
-    """SwapManager rescues during the step."""
-    retries: int
-    """Allocator retries during the step."""
-    decision: str = ""
-    """What the loop decided after the step, and why."""
 
 
 # --------------------------------------------------------------------------- the handle
@@ -122,10 +66,12 @@ class AdaptiveMemory:
         self.parallel = dict(parallel or {})
         self.loss_fn = loss_fn
         self.tolerance = tolerance
+        self.prefetch_reserve = 0.1
+        """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.manager = SwapManager(model, device=self.device)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
-        self.manager.headroom = self.hook.headroom
+        self.manager.headroom = self._headroom
         self.hook.exhausted = self._exhausted
         if hasattr(self.hook, "mode"):
             self.hook.mode.exhausted = self._exhausted
@@ -151,14 +97,17 @@ class AdaptiveMemory:
         self._needs_profile = False
         self._busy = 0
         self._in_step = False
+        self._depth = 0
         self._step_start = 0.0
         self._rescues0 = 0
         self._retries0 = 0
         self._kind = "adapt"
         self._solved: dict[int, Any] = {}
+        self._min_needed = 0
         self._handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
-                         model.register_forward_hook(self._post)]
+                         model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
+        model._adaptive_memory = self
 
     # ------------------------------------------------------------------ public
     @property
@@ -198,6 +147,8 @@ class AdaptiveMemory:
             self._handle = None
         self.manager.close()
         self.hook.remove()
+        if getattr(self.model, "_adaptive_memory", None) is self:
+            del self.model._adaptive_memory
 
     def __enter__(self) -> "AdaptiveMemory":
         return self
@@ -207,14 +158,31 @@ class AdaptiveMemory:
 
     # ------------------------------------------------------------------ step boundaries
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._busy or self._in_step or not torch.is_grad_enabled():
+        self._depth += 1
+        if self._busy or self._depth > 1 or not torch.is_grad_enabled():
             return
+        if self._in_step:  # the previous forward never got its backward (or failed): not a step
+            self._abandon()
         self._in_step = True
         self.hook.begin_step()
         if hasattr(self.hook, "enter"):
             self.hook.enter()
+        try:
+            self._begin(args, kwargs)
+        except BaseException:
+            self._inputs_key = None  # plan again next time
+            self._abandon()
+            raise  # the always-called forward hook still runs: it balances the depth
+
+    def _abandon(self) -> None:
+        self._in_step = False
+        if hasattr(self.hook, "exit"):
+            self.hook.exit()
+
+    def _begin(self, args: tuple, kwargs: dict) -> None:
         if self.budget is None:
             self.budget = self._default_budget()
+        self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         key = tuple((tuple(t.shape), t.dtype) for t in tensors)
         self._kind = "steady" if self.converged else "adapt"
@@ -230,7 +198,11 @@ class AdaptiveMemory:
         self._step_start = time.perf_counter()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._busy or not self._in_step:
+        self._depth -= 1
+        if self._busy or self._depth > 0 or not self._in_step:
+            return
+        if output is None:  # the forward raised
+            self._abandon()
             return
         t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
                   if isinstance(x, torch.Tensor) and x.requires_grad), None)
@@ -325,6 +297,7 @@ class AdaptiveMemory:
             raise AdaptiveBudgetError(
                 f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
                 f"budget {_fmt(self.budget)} ({what})")
+        self._min_needed = needed
         tol = max(1, int(self.tolerance * self.budget))
         self.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
@@ -357,6 +330,13 @@ class AdaptiveMemory:
             return first.sum()
         return loss
 
+    def _headroom(self) -> int | None:
+        room = self.hook.headroom()
+        live = self.hook.live()
+        if self.budget is not None and live is not None:
+            room = min(room, self.budget - live) if room is not None else self.budget - live
+        return room
+
     def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
         if self.manager._no_rescue:
             return None  # a prefetch that does not fit: it waits for its use
@@ -369,12 +349,24 @@ class AdaptiveMemory:
 
         if target not in self._solved:
             try:
-                result = get_solver(self.solver).solve(Problem(self._step_model, target))
-                plan = result.plan
+                plan = get_solver(self.solver).solve(Problem(self._step_model, target)).plan
             except InfeasibleBudgetError:
-                plan = self._solve(self.search.lo) if target != self.search.lo else Plan()
+                plan = self._most_saving_plan()
+                log.info("adaptive memory: no %s plan fits the target %s; using the most memory-saving plan "
+                         "(%s)", self.solver, _fmt(target), self._describe(plan))
             self._solved[target] = plan
         return self._solved[target]
+
+    def _most_saving_plan(self) -> Plan:
+        from search import plan_from_assignment, simulate_assignment
+        from search._budget import _min_candidates
+
+        model = self._step_model
+        best = min(_min_candidates(model), key=lambda a: simulate_assignment(model, a).peak_bytes)
+        plan = plan_from_assignment(model, best)
+        plan.meta.update({"solver": "most-saving", "predicted_peak_bytes": simulate_assignment(model, best).peak_bytes,
+                          "predicted_step_time": round(simulate_assignment(model, best).step_time, 9)})
+        return plan
 
     def _adapt(self, record: StepRecord) -> str:
         search = self.search
@@ -386,8 +378,11 @@ class AdaptiveMemory:
                 self._pending = None
                 return (f"{record.rescues} rescues under the cached plan: profiling again at the next step "
                         "(plain model until then)")
-            search.lo = min(search.lo, search.target - search.tolerance - 1)
-            search.tolerance = max(search.tolerance, int(self.tolerance * (self.budget or 0)))
+            if search.target <= self._min_needed:
+                self.converged_at = record.step
+                return (f"{record.rescues} rescues at the most memory-saving target {_fmt(search.target)}: "
+                        "nothing tighter to try; the SwapManager keeps the steps alive")
+            search.lo = self._min_needed
         before = search.target
         why = (f"{record.rescues} rescues, {record.retries} allocator retries, peak {_fmt(record.peak or 0)}"
                if record.rescues else f"no rescues, peak {_fmt(record.peak or 0)} of budget {_fmt(self.budget)}")
@@ -443,7 +438,11 @@ class AdaptiveMemory:
             self._handle = None
         self.plan = plan
         if plan is not None and plan.decisions:
-            self._handle = optimize(self.model, plan=plan, profile=self._profile)
+            # The loop itself ties plans to input shapes (a new shape replans), so the executor's one-shot
+            # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
+            unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
+                             meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
+            self._handle = optimize(self.model, plan=unchecked, profile=self._profile)
         self.manager.attach()  # innermost again, after the executor's hooks
 
     def _parallel(self) -> dict[str, int]:
@@ -489,6 +488,14 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
             raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
+    from ._optimize import _APPLIED
+
+    applied = _APPLIED.get(model)
+    if applied is not None and applied() is not None and applied().active:
+        raise ValueError("adaptive memory optimization: the model already has a plan applied (a manual recompute/"
+                         "swap config); expected one of them: remove() its handle first")
+    if getattr(model, "_adaptive_memory", None) is not None:
+        raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
     store = PlanCache(cache_dir) if cache else None
     return AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
                           loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)

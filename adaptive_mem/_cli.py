@@ -23,6 +23,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "adaptive_mem._cmd_simulate",
     "adaptive_mem._cmd_pareto",
     "adaptive_mem._cmd_run",
+    "adaptive_mem._cmd_bench",
 )
 
 

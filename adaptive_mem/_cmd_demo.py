@@ -1,13 +1,16 @@
-"""``adaptive-mem demo``: the main job on the embedded default model.
+"""``adaptive-mem demo``: the main job on the embedded default model, end to end.
 
-Issue 2 form: profile ``llama-small`` on this CPU, print the summary and write
-``<out>/profile.json``. Later issues add the plan search and a training run.
+Profile ``llama-small`` on this CPU, pick a budget halfway between full recompute and keeping
+everything (so the plan must trade memory for time), search the ``milp`` plan, apply it and
+train, next to no checkpointing and full recompute (each in its own process), then print a
+short summary and write the bench report (``report.md``, ``results.json``, PNGs) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 import profiler
@@ -15,9 +18,11 @@ import profiler
 from ._model_spec import build_model
 
 NAME = "demo"
-HELP = "profile the default model (llama-small) on this CPU and print the summary"
+HELP = ("profile the default model (llama-small) on this CPU, search a plan under a budget that forces a "
+        "trade-off, train with it next to no checkpointing and full recompute, print a summary, write the report")
 
 DEFAULT_MODEL = "llama-small"
+POLICIES = ("none", "full", "ours-milp")
 
 log = logging.getLogger(__name__)
 
@@ -25,17 +30,86 @@ log = logging.getLogger(__name__)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="adaptive-mem-demo", metavar="DIR",
                         help="directory for the demo's files (default ./adaptive-mem-demo)")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help=argparse.SUPPRESS)  # tests: a faster model
+
+
+def trade_off_budget(model) -> float:
+    """Activation budget halfway between full recompute's predicted peak and keeping everything."""
+    from search import Budget, Problem, get_solver
+
+    none = get_solver("none").solve(Problem(model, 1 << 62)).cost.peak_bytes
+    full = get_solver("full").solve(Problem(model, 1 << 62)).cost.peak_bytes
+    target = full + (none - full) // 2
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # smallest fraction whose budget reaches the target (resolve is monotonic)
+        mid = (lo + hi) / 2
+        if Budget(activation_fraction=mid).resolve(model) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return round(hi, 4)
 
 
 def run(args: argparse.Namespace) -> int:
+    from search import StepModel
+
+    from ._bench import BenchConfig, run_bench, write_outputs
+
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={args.out!r}: exists and is not a directory")
-    bundle = build_model(DEFAULT_MODEL)
-    log.info("profiling %s (batch %d x seq %d) on cpu", DEFAULT_MODEL, bundle.batch_size, bundle.seq_len)
-    result = profiler.profile_step(bundle)
-    print(profiler.format_summary(result))
+    start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
-    result.save(out / "profile.json")
-    log.info("profile written to %s", out / "profile.json")
-    return 0
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the runs: one thread each, stable on a shared machine
+    try:
+        bundle = build_model(args.model)
+        log.info("profiling %s (batch %d x seq %d) on cpu", args.model, bundle.batch_size, bundle.seq_len)
+        profile = profiler.profile_step(bundle, optimizer="adam")
+    finally:
+        torch.set_num_threads(threads)
+    print(profiler.format_summary(profile))
+    budget = trade_off_budget(StepModel.build(profile))
+    log.info("budget: %.3f of the activation memory (halfway between full recompute and keeping everything)", budget)
+    config = BenchConfig(spec=args.model, budgets=(budget,), policies=POLICIES, out=out, steps=5, warmup=1,
+                         threads=1, command=f"adaptive-mem demo --out {args.out}")
+    results = run_bench(config, profile=profile)
+    paths = write_outputs(results, out)
+    print()
+    print(summary(results, seconds=time.perf_counter() - start))
+    print(f"report: {paths['report']}  (results.json, PNG figures and plans/ next to it)")
+    return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
+
+
+def summary(results: dict, *, seconds: float) -> str:
+    """The demo's short summary, from the bench results."""
+    runs = {r["policy"]: r for r in results["runs"]}
+    m = results["model"]
+    ours, none, full = runs.get("ours-milp"), runs.get("none"), runs.get("full")
+    lines = [f"adaptive-mem demo: {m['spec']} (batch {m['batch_size']} x seq {m['seq_len']}, {m['dtype']}), "
+             f"{seconds:.0f} s in total"]
+    if ours is None or ours["status"] != "ok":
+        why = "not run" if ours is None else f"{ours['status']}: {ours.get('error', '')}"
+        lines.append(f"  our plan: {why}")
+        return "\n".join(lines)
+    mib = 2**20
+    layers = ours.get("plan_layers") or []
+    saved = sum(r["keep"] + r["recompute"] + r["swap"] for r in layers) or 1
+    moved = sum(r["recompute"] for r in layers) / saved
+    swapped = sum(r["swap"] for r in layers) / saved
+    lines.append(f"  budget: {ours['budget']:g} of the activation memory = {ours['budget_bytes'] / mib:.1f} MiB peak; "
+                 f"the plan recomputes {moved:.0%} and swaps {swapped:.0%} of the layers' saved activations")
+    if none is not None and none["status"] == "ok":
+        lines.append(f"  memory saved: peak {ours['peak_bytes'] / mib:.1f} MiB vs {none['peak_bytes'] / mib:.1f} MiB "
+                     f"without checkpointing ({1 - ours['peak_bytes'] / none['peak_bytes']:.1%} less)")
+    if full is not None and full["status"] == "ok":
+        ratio = ours["median_step_time"] / full["median_step_time"]
+        lines.append(f"  time vs full recompute: {ours['median_step_time']:.3f} s vs {full['median_step_time']:.3f} s "
+                     f"per step ({ratio - 1:+.1%}); full recompute peaks at {full['peak_bytes'] / mib:.1f} MiB")
+    if ours.get("predicted_peak_bytes") is not None:
+        lines.append(f"  predicted vs measured: peak {ours['predicted_peak_bytes'] / mib:.1f} vs "
+                     f"{ours['peak_bytes'] / mib:.1f} MiB ({ours['predicted_peak_bytes'] / ours['peak_bytes'] - 1:+.1%}), "
+                     f"step {ours['predicted_step_time']:.3f} vs {ours['median_step_time']:.3f} s")
+    return "\n".join(lines)

@@ -127,8 +127,9 @@ def run(args: argparse.Namespace) -> int:
                 log.info("%s", handle.summary())
             handle.remove()
     peak = mem.peak if mem is not None else torch.accelerator.max_memory_allocated()
+    shown = args.plan or args.config or args.memory_plan or ("adaptive" if args.adaptive_memory_optimization else "none")
     print(f"model: {bundle.spec}  batch: {bundle.batch_size}x{bundle.seq_len}  dtype: {str(bundle.dtype)[6:]}  "
-          f"plan: {args.plan or args.config or 'none'}")
+          f"plan: {shown}")
     print(f"steps: {len(times)}  loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"peak device memory: {peak} bytes ({peak / 2**20:.1f} MiB)")
     print(f"median step time: {statistics.median(times):.4f} s")

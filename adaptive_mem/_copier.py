@@ -43,6 +43,14 @@ class Copier:
         """Make the compute stream (or thread) wait for ``copy``; returns the seconds blocked."""
         raise NotImplementedError
 
+    asynchronous_issue = False
+    """True when a submitted copy may still be running on the device after ``submit`` returned
+    without the host knowing (streams); a queued-but-unstarted copy can then not be cancelled."""
+
+    def sync(self, copy: Copy) -> None:
+        """Block the host until ``copy`` has landed."""
+        raise NotImplementedError
+
     def reap(self) -> None:
         """Run ``on_done`` of copies that have landed."""
 
@@ -85,6 +93,9 @@ class ThreadCopier(Copier):
         copy.landed.wait()
         return time.perf_counter() - start
 
+    def sync(self, copy: Copy) -> None:
+        copy.landed.wait()
+
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
@@ -94,6 +105,8 @@ class ThreadCopier(Copier):
 
 class StreamCopier(Copier):
     """Copies on one side stream; the compute stream waits on events, never the host."""
+
+    asynchronous_issue = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -115,6 +128,11 @@ class StreamCopier(Copier):
         if not copy.finished:
             torch.accelerator.current_stream(self.device).wait_event(copy.event)
         return 0.0
+
+    def sync(self, copy: Copy) -> None:
+        if not copy.finished:
+            copy.event.synchronize()
+            self.reap()
 
     def reap(self) -> None:
         still = []

@@ -71,7 +71,7 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         ex = self.ex
-        if ex._opaque:
+        if ex._opaque or ex._quiet_layer:
             return out
         unit = ex.namer.name(func)
         if unit is None:
@@ -121,8 +121,10 @@ class Executor:
         self._forwards: list[tuple[nn.Module, bool, Any]] = []
         self._opaque = 0
         self._producer: dict[int, tuple[Any, str, int, int]] = {}
-        self._swap_cache: dict[str, tuple[int, int] | None] = {}
+        self._swap_cache: dict[str, tuple[int | None, int] | None] = {}
         self._last_layer: int | None = None
+        self._quiet_layer = False  # inside a layer that swaps nothing: the tracker skips naming
+        self._swap_layers = {i for i, m in enumerate(res.modes) if m is LayerMode.SWAP}
         self._pushed: list[tuple[Any, Any] | None] = []
         self._group_outputs: dict[int, tuple[torch.Tensor | None, Any]] = {}
         self._sac: dict[int, _SacLayer] = {}
@@ -161,7 +163,8 @@ class Executor:
             self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
             for i, layer in enumerate(self.layers):
                 self._handles.append(layer.register_forward_pre_hook(functools.partial(self._layer_pre, i)))
-                self._handles.append(layer.register_forward_hook(functools.partial(self._layer_post, i)))
+                self._handles.append(layer.register_forward_hook(functools.partial(self._layer_post, i),
+                                                                 always_call=True))
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -341,20 +344,16 @@ class Executor:
 
     # ================================================================== swap outside checkpoints
     def _swap_info(self, unit: str) -> tuple[int, int] | None:
+        """``(layer index, backward_prefetch)`` of a swap unit, None for the others (Semantics: Swap)."""
         if unit not in self._swap_cache:
             decision = decide(self.plan, unit)
-            if decision.action is not Action.SWAP:
-                self._swap_cache[unit] = None
-            else:
-                layer, _ = self.namer.split(unit)
-                self._swap_cache[unit] = (layer, decision.backward_prefetch) if layer is not None else None
-                if layer is None:
-                    self._swap_cache[unit] = (-2, decision.backward_prefetch)
+            layer, _ = self.namer.split(unit)
+            self._swap_cache[unit] = (layer, decision.backward_prefetch) if decision.action is Action.SWAP else None
         info = self._swap_cache[unit]
-        if info is not None and info[0] == -2:
-            before = self._last_layer is None
-            return (OUTSIDE_BEFORE if before else self.num_layers), info[1]
-        return info
+        if info is None or info[0] is not None:
+            return info
+        outside = OUTSIDE_BEFORE if self._last_layer is None else self.num_layers
+        return outside, info[1]
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._producer or isinstance(t, nn.Parameter):
@@ -412,8 +411,10 @@ class Executor:
 
     def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
         self._last_layer = i
+        self._quiet_layer = i not in self._swap_layers
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
+        self._quiet_layer = False
         self._on_grad_of(output, i)
 
     def _on_grad_of(self, output: Any, index: int) -> None:

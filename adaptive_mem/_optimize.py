@@ -165,7 +165,7 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
 
 def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
              profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
-             host_dir: str | None = None) -> OptimizeHandle:
+             host_dir: str | None = None, budget: int | str | None = None, **adaptive: Any) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed.
 
     ``plan`` is a :class:`search.Plan`, a plan dict or a YAML/JSON file; ``config`` a MindFormers or
@@ -174,7 +174,18 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     the module tree plus a trace at the first forward. A plan that does not fit raises
     :class:`search.PlanError` and leaves the model untouched. ``host_store`` is ``memory`` (pinned
     RAM on accelerators) or ``file`` (a temporary file under ``host_dir``; CPU only).
+
+    ``budget`` instead of a plan: the adaptive loop (``adaptive_mem.adaptive_optimize``, which takes
+    the other keywords) finds and applies the fastest plan under ``budget`` bytes while training.
     """
+    if budget is not None or adaptive:  # the adaptive loop (issue 6)
+        if budget is None or plan is not None or config is not None:
+            raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
+        from ._adaptive import adaptive_optimize
+
+        return adaptive_optimize(model, budget=budget, **adaptive)
+    if host_store not in ("memory", "file"):
+        raise ValueError(f"optimize: host_store={host_store!r}: expected 'memory' or 'file'")
     previous = _APPLIED.get(model)
     if previous is not None and previous() is not None and previous().active:
         raise ValueError("optimize: this model already has a plan applied; remove() its handle first")
@@ -182,6 +193,10 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     _check_structure(plan, model)
     units = None
     if profile is not None:
+        if isinstance(profile, (str, Path)):
+            from profiler._profile import Profile
+
+            profile = Profile.load(profile)
         units = [u.name for u in profile.units]
     elif example_inputs is not None:
         _check_inputs(plan, model, tuple(example_inputs), {})

@@ -6,8 +6,11 @@ Note: [SAC policy] (docs/plan-format.md). Inside a layer run under
 * ``PREFER_RECOMPUTE`` when its unit is decided ``recompute``, or an in-place op of the
   same layer call later writes its output (a cached tensor must not change);
 * ``MUST_SAVE`` when its unit is decided ``swap`` (the cached outputs are what is swapped);
-* ``MUST_SAVE`` when autograd saves its output, or it is a matmul / attention op;
-* ``PREFER_RECOMPUTE`` otherwise.
+* ``MUST_SAVE`` when autograd saves its output;
+* ``PREFER_RECOMPUTE`` otherwise: nothing is cached that autograd would not have saved,
+  so op-level recompute never holds more than keeping. The replay stops before the
+  kernel of the layer's last op that saves a tensor (PyTorch's early stop), so such
+  ops cost replay time only when they run before that point.
 
 Which op outputs autograd saves is learnt once per layer by running the
 layer on fake tensors (:func:`trace_layer`): shapes only, nothing allocated.
@@ -26,14 +29,11 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
-from profiler._units import UnitNamer, op_label
+from profiler._units import UnitNamer
 
 __all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
 
 log = logging.getLogger(__name__)
-
-_ALWAYS_SAVE_LABELS = {"matmul", "flash_attention"}
-
 
 class OpCounter:
     """``(unit, ordinal)`` of each op of one layer call; reset at the start of every call."""
@@ -162,6 +162,6 @@ class SacPolicy:
             if not ctx.is_recompute:
                 self.on_swap_output(ctx.op_output, key[0])
             return CheckpointPolicy.MUST_SAVE
-        if key in self.trace.saved_ops or op_label(func) in _ALWAYS_SAVE_LABELS:
+        if key in self.trace.saved_ops:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -64,23 +64,34 @@ class _Record:
         self.h2d: Copy | None = None
         self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
         self.handles = 0
+        self.flat: torch.Tensor | None = None  # uint8 view of the whole storage, what the copy reads
+        self.copying = False
         self.error: str | None = None
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
 
     def offload(self) -> None:
         engine = self.engine
         self.host = engine.pool.acquire(self.nbytes)
-        src = self.src
-        flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
+        self.flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.src.untyped_storage())
 
         def copy(non_blocking: bool) -> None:
-            engine.pool.write(self.host, flat, non_blocking=non_blocking)
+            with self.lock:  # Note: [cancelled offload]
+                flat, host = self.flat, self.host
+                if flat is None:
+                    return
+                self.copying = True
+            try:
+                engine.pool.write(host, flat, non_blocking=non_blocking)
+            finally:
+                with self.lock:
+                    self.copying = False
 
         def landed() -> None:
-            if self.src is not None and self.src._version != self.version:
-                self.error = ("one of the variables needed for gradient computation has been modified by an "
-                              f"inplace operation (swapped activation of {self.label})")
-            self.src = None
+            with self.lock:
+                if self.src is not None and self.src._version != self.version:
+                    self.error = ("one of the variables needed for gradient computation has been modified by an "
+                                  f"inplace operation (swapped activation of {self.label})")
+                self.src = self.flat = None
 
         self.d2h = engine.copier.submit(copy, landed)
         engine.stats.offloaded_bytes += self.nbytes
@@ -124,15 +135,28 @@ class _Record:
         return self.dst.untyped_storage()
 
     def drop_handle(self) -> None:
+        """The last handle died (backward ran, or the graph was dropped).
+
+        Note: [cancelled offload]. A tensor whose offload copy has not run yet is
+        never needed again: the copy is cancelled and the device storage released
+        now; a copy in flight is waited for. So nothing of a dead record stays
+        alive in the copy queue (device bytes return to the pre-step value).
+        """
         self.handles -= 1
-        if self.handles == 0:
-            self.dst = None
-            if self.host is not None and self.h2d is None:
-                host, self.host = self.host, None
-                if self.d2h is not None and not self.d2h.finished:
-                    self.engine.copier.submit(lambda nb: None, lambda: self.engine.pool.release(host))
-                else:
-                    self.engine.pool.release(host)
+        if self.handles:
+            return
+        self.dst = None
+        if self.h2d is not None:
+            return  # the reload owns the host buffer and releases it when it lands
+        with self.lock:
+            running = self.copying
+            self.src = self.flat = None
+        engine = self.engine
+        if self.d2h is not None and not self.d2h.finished and (running or engine.copier.asynchronous_issue):
+            engine.copier.sync(self.d2h)
+        host, self.host = self.host, None
+        if host is not None:
+            engine.pool.release(host)
 
 
 class Packed:

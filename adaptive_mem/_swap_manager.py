@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from profiler._units import find_layers
 
+from ._accounting import host_allocations
 from ._swap_engine import Packed, SwapEngine
 
 __all__ = ["SwapManager", "SwapState", "ManagerStats", "SwapExhaustedError"]
@@ -63,6 +64,8 @@ class ManagerStats:
     """Reloads started ahead of use."""
     on_demand: int = 0
     """Reloads started at unpack."""
+    evicted: int = 0
+    """Prefetched storages sent back to the host before use to make room."""
 
 
 class _Slot:
@@ -133,7 +136,7 @@ class SwapManager:
         self._bwd_before: dict[int, float] = {}
         self._h2d = 0.0
         self.headroom: Callable[[], int | None] = lambda: None
-        """Free device bytes now (set by the adaptive loop from its OOM hook); prefetch stays inside it."""
+        """Free device bytes now, or None when unknown (then nothing is prefetched: reloads happen at use)."""
         self.prefetch_reserve = 0
         """Bytes of headroom a prefetch must leave for backward's own allocations."""
         if profile is not None:
@@ -293,11 +296,19 @@ class SwapManager:
             # references: the slots' attributes, the ``tensors`` dict and getrefcount's argument
             if sys.getrefcount(tensors[tid]) - holders[tid] - 2 > 0:
                 return False
-        impls = set(tensors)
+        bases: dict[int, torch.Tensor] = {}
         for tid in tensors:
             base = tensors[tid]._base
-            if base is not None:
-                impls.add(id(base))
+            if base is not None and id(base) not in tensors:
+                bases[id(base)] = base
+            del base
+        for bid in bases:
+            # A view's base held by anyone (e.g. the caller's local variable) keeps the storage alive. References
+            # when nobody holds it: the ``bases`` dict, getrefcount's argument, and the one the view's autograd
+            # metadata keeps on the base's Python object (measured: 3 unheld, 4 held by one local).
+            if sys.getrefcount(bases[bid]) - 3 > 0:
+                return False
+        impls = set(tensors) | set(bases)
         # the storage's owners: the tensors above (and their bases) plus the ``st`` reference here
         return torch._C._storage_Use_Count(st._cdata) <= len(impls) + 1
 
@@ -334,14 +345,19 @@ class SwapManager:
         """Swap out storages until ``needed`` bytes are released; True if anything was."""
         if self._no_rescue or needed <= 0:
             return False
-        candidates = [g for g in self.groups() if g.record is None and self._exclusive(g)]
-        candidates.sort(key=self._score, reverse=True)
+        groups = self.groups()
+        candidates = sorted((g for g in groups if g.record is None and self._exclusive(g)), key=self._score,
+                            reverse=True)
+        # then what a prefetch brought back too early: it goes out again (it is needed soonest: last)
+        candidates += sorted((g for g in groups if g.record is not None and g.record.h2d is not None
+                              and not any(s.used for s in g.live_slots())), key=self._score, reverse=True)
         freed = 0
-        for group in candidates:
-            if freed >= needed:
-                break
-            if self._swap_out(group):
-                freed += group.nbytes
+        with host_allocations():  # the copy bookkeeping aliases existing storages: no device bytes
+            for group in candidates:
+                if freed >= needed:
+                    break
+                if self._swap_out(group) if group.record is None else self._evict(group):
+                    freed += group.nbytes
         if freed:
             self.stats.rescues += 1
             self.stats.swapped_out_bytes += freed
@@ -351,7 +367,9 @@ class SwapManager:
         return freed > 0
 
     def _swap_out(self, group: _Group) -> bool:
-        slots = group.live_slots()
+        slots = [s for s in group.live_slots() if s.tensor is not None]
+        if not slots:  # released (e.g. by the garbage collector) since it was chosen
+            return False
         label = group.unit or "activation"
         for s in slots:
             s.packed = self.engine.offload(s.tensor, label=label, layer=group.layer, prefetch=0)
@@ -361,16 +379,33 @@ class SwapManager:
         self.engine.copier.wait(group.record.d2h)  # the device bytes are free once the copy landed
         return True
 
+    def _evict(self, group: _Group) -> bool:
+        """Send a reloaded, not yet used storage back to the host (a fresh copy of the reloaded bytes)."""
+        slots = [s for s in group.live_slots() if s.packed is not None and not s.used]
+        if not slots:
+            return False
+        views = [s.packed.unpack() for s in slots]  # waits for the reload; views of the reloaded storage
+        packed = [self.engine.offload(v, label=group.unit or "activation", layer=group.layer, prefetch=0)
+                  for v in views]
+        for s, p in zip(slots, packed):
+            s.packed = p  # the old handles go: the reloaded storage is released with the views below
+        group.record = packed[0].record
+        del views, packed, slots
+        self.engine.copier.wait(group.record.d2h)
+        self.stats.evicted += 1
+        return True
+
     # ------------------------------------------------------------------ backward
     def _on_backward(self, layer: int) -> None:
         """Backward begins ``layer``: bring back what the next layer needs, if it fits."""
         room = self.headroom()
-        if room is not None:
-            room -= self.prefetch_reserve
+        if room is None:
+            return  # without knowing the free bytes, a prefetch could starve backward: reload on demand only
+        room -= self.prefetch_reserve
         for group in sorted(self.groups(), key=lambda g: -g.seq):
             if group.state is not SwapState.HOST or group.layer < layer - 1:
                 continue
-            if room is not None and group.nbytes > room:
+            if group.nbytes > room:
                 break
             self._no_rescue += 1
             try:
@@ -380,5 +415,4 @@ class SwapManager:
             finally:
                 self._no_rescue -= 1
             self.stats.prefetches += 1
-            if room is not None:
-                room -= group.nbytes
+            room -= group.nbytes

@@ -90,6 +90,10 @@ class OpRecord:
     """Forward FLOPs (``torch.utils.flop_counter`` formulas)."""
     consumers: list[int] = field(default_factory=list)
     """Indices of later ops that read this op's outputs."""
+    saves_inputs: bool = False
+    """The op's autograd node saves a tensor before the op runs (an input or a parameter)."""
+    saves_outputs: bool = False
+    """The op's autograd node saves the op's own output (after it runs)."""
 
 
 @dataclass(frozen=True)

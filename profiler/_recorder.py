@@ -63,6 +63,10 @@ class OpEvent:
     consumers: set[int] = field(default_factory=set)
     saved_storages: int = 0
     """How many distinct storages of this op's outputs autograd saved."""
+    saves_inputs: bool = False
+    """This op's autograd node saved a tensor before the op ran (an input or a parameter)."""
+    saves_outputs: bool = False
+    """This op's autograd node saved a tensor after the op ran (its own output)."""
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -96,6 +100,7 @@ class Recorder(TorchDispatchMode):
         self._producer: dict[int, int] = {}
         self._saved: set[int] = set()
         self._seq_to_op: dict[int, int] = {}
+        self._packs: list[tuple[int, bool]] = []
         self._last_seq = 0
         self._alive: dict[int, weakref.ref] = {}
         self.live_bytes = 0
@@ -116,6 +121,18 @@ class Recorder(TorchDispatchMode):
             self.phase = "idle"
             pre.remove()
             post.remove()
+            self._attribute_packs()
+
+    def _attribute_packs(self) -> None:
+        for node, before_kernel in self._packs:
+            owner = self._seq_to_op.get(node)
+            if owner is None:
+                continue
+            if before_kernel:
+                self.events[owner].saves_inputs = True
+            else:
+                self.events[owner].saves_outputs = True
+        self._packs.clear()
 
     @contextlib.contextmanager
     def backward(self) -> Iterator["Recorder"]:
@@ -163,6 +180,10 @@ class Recorder(TorchDispatchMode):
         return release
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        # Note: [saver of a pack] the node saving ``t`` is the newest one; if its op has not been
+        # dispatched yet, autograd is saving before the kernel runs (inputs, parameters).
+        node = torch.autograd._get_sequence_nr() - 1
+        self._packs.append((node, node not in self._seq_to_op))
         st = _storage(t)
         if st is None:
             return t

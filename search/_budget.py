@@ -42,7 +42,9 @@ class Budget:
     total: int | None = None
     """Peak device bytes, parameters, gradients and optimizer state included."""
     activation_fraction: float | None = None
-    """Fraction of the unoptimized activation memory (peak minus static) allowed."""
+    """Fraction of the unoptimized activation memory allowed on top of the static memory:
+    budget = parameters + gradients + optimizer state + F x in-flight micro-batches x (saved activation
+    bytes + loss workspace)."""
 
     def __post_init__(self) -> None:
         if (self.total is None) == (self.activation_fraction is None):
@@ -68,9 +70,9 @@ class Budget:
         if self.total is not None:
             return self.total
         assert self.activation_fraction is not None
-        keep_all = Assignment(tuple(Action.KEEP for _ in model.units), tuple(1 for _ in model.units))
-        peak = simulate_assignment(model, keep_all, in_flight=in_flight).peak_bytes
-        return model.base + int(self.activation_fraction * (peak - model.base))
+        static = model.base + sum(model.grads)
+        activations = in_flight * (model.activation_bytes + model.boundary)
+        return static + int(self.activation_fraction * activations)
 
     def describe(self) -> str:
         if self.total is not None:

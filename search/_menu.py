@@ -48,6 +48,9 @@ class Option:
     """Seconds from the layer's backward start (stalls excluded) to the need of its last-needed reload."""
     first_swap_end: float
     """Forward end time of the first swapped unit, relative to the layer's forward start."""
+    lead: float = 0.0
+    """Seconds before the layer's backward start its reloads must be issued to avoid a stall:
+    max over swapped units u of (copy time of the reloads needed up to u) - (u's need offset)."""
     swaps_pinned: tuple[int, ...] = ()
     """Local indices of swapped units read by other positions (coupling with their recompute)."""
     prefix: tuple[int, ...] = ()
@@ -62,7 +65,7 @@ def _signature(model: StepModel, p: int) -> tuple:
     members = model.positions[p]
     local = {i: k for k, i in enumerate(members)}
     return (model.input_extra[p],) + tuple(
-        (u.local_name, u.saved, u.output, u.fwd, u.bwd, u.pinned, u.sac_extra, u.sac_replay,
+        (u.local_name, u.saved, u.output, u.fwd, u.bwd, u.pinned, u.sac_extra, u.sac_replay, u.sac_replay_all,
          tuple(local.get(c, -1) for c in u.consumers))
         for u in (model.units[i] for i in members))
 
@@ -79,6 +82,10 @@ def _option(model: StepModel, p: int, acts: tuple[Action, ...], d: int) -> Optio
     sw = sum(units[k].saved for k in swaps)
     start = (units[0].fwd_end - units[0].fwd) if units else 0.0
     need = seg.replay + (sum(u.bwd for u in units[swaps[0] + 1:]) if swaps else 0.0)
+    lead, cum = -float("inf"), 0.0
+    for k in reversed(swaps):  # need order: later units first
+        cum += model.h2d(units[k].saved)
+        lead = max(lead, cum - (seg.replay + sum(u.bwd for u in units[k + 1:])))
     prefix, level = [], seg.inputs
     for i in members:
         level += seg.hold.get(i, 0)
@@ -87,6 +94,7 @@ def _option(model: StepModel, p: int, acts: tuple[Action, ...], d: int) -> Optio
                   replay=seg.replay, h2d=sum(model.h2d(units[k].saved) for k in swaps),
                   d2h=sum(model.d2h(units[k].saved) for k in swaps), need=need,
                   first_swap_end=(units[swaps[0]].fwd_end - start) if swaps else 0.0,
+                  lead=lead if swaps else 0.0,
                   swaps_pinned=tuple(k for k in swaps if units[k].pinned), prefix=tuple(prefix))
 
 
@@ -131,7 +139,7 @@ def _pareto_subsets(model: StepModel, p: int, limit: int) -> list[tuple[Action, 
     bits = ((np.arange(1, 1 << m)[:, None] >> np.arange(m)[None, :]) & 1).astype(bool)
     saved = np.array([units[k].saved for k in cand], dtype=np.float64)
     extra = np.array([units[k].sac_extra for k in cand], dtype=np.float64)
-    gain = np.array([units[k].fwd - units[k].sac_replay for k in cand])
+    gain = np.array([units[k].sac_replay_all - units[k].sac_replay for k in cand])
     total_extra = sum(u.sac_extra for u in units)
     total_replay = sum(u.sac_replay for u in units)
     held = sum(u.saved for u in units) + total_extra - bits @ (saved + extra)

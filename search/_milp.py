@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 MIB = float(1 << 20)
 MS = 1e3
-WINDOW = 4
+WINDOW = 16
 """Layers ahead whose queued reloads the window rows account for."""
 
 
@@ -47,6 +47,7 @@ class _Rows:
         self.lb: list[float] = []
         self.ub: list[float] = []
         self.groups: dict[str, int] = {}
+        self.rows_of: dict[str, list[int]] = {}
 
     def add(self, group: str, coefs: dict[int, float], lb: float, ub: float) -> None:
         row = len(self.lb)
@@ -58,6 +59,15 @@ class _Rows:
         self.lb.append(lb)
         self.ub.append(ub)
         self.groups[group] = self.groups.get(group, 0) + 1
+        self.rows_of.setdefault(group, []).append(row)
+
+    def tighten_memory(self, mib: float) -> None:
+        """Lower the right-hand side of every memory row (the safety margin of the repeated-layer path)."""
+        for group, rows in self.rows_of.items():
+            if group.startswith("memory"):
+                for r in rows:
+                    if np.isfinite(self.ub[r]) and self.lb[r] == -np.inf:
+                        self.ub[r] -= mib
 
     def constraint(self) -> LinearConstraint:
         a = coo_matrix((self.v, (self.r, self.c)), shape=(len(self.lb), self.nvars)).tocsr()
@@ -149,7 +159,8 @@ def _build(problem: Problem, prefetch: tuple[int, ...], limit: int) -> _Program:
             for j, o in z(l):
                 if o.swapped and o.d >= 1 and o.d >= L - l:
                     coefs[j] = coefs.get(j, 0.0) + o.swapped / MIB
-        rows.add("memory_layer", coefs, -np.inf, cap)
+        grads_so_far = sum(model.grads[q] for q in range(L, post + 1)) / MIB  # gradients of L and above exist
+        rows.add("memory_layer", coefs, -np.inf, cap - grads_so_far)
     # memory_post:  k C_n + sum_{l,k: d_k>=1, l+d_k >= post} swapped_k z[l,k] <= cap - held_post - boundary
     if layers:
         coefs = {cum[last]: float(k_in), pend_post: 1.0}
@@ -157,7 +168,7 @@ def _build(problem: Problem, prefetch: tuple[int, ...], limit: int) -> _Program:
             for j, o in z(l):
                 if o.swapped and o.d >= 1 and l + o.d >= post:
                     coefs[j] = o.swapped / MIB
-        rows.add("memory_post", coefs, -np.inf, cap - (held_fixed[post] + model.boundary) / MIB)
+        rows.add("memory_post", coefs, -np.inf, cap - (held_fixed[post] + model.boundary + model.grads[post]) / MIB)
 
     # memory_forward: after the forward of unit v of position L (layer or post), with copies to host
     # still running (a copy of u cannot end before its in-layer chain  c_u = max(c_prev, fe_u) + d2h_u):
@@ -205,8 +216,8 @@ def _build(problem: Problem, prefetch: tuple[int, ...], limit: int) -> _Program:
     for L in layers:
         rows.add("on_demand", {stall[L]: 1.0, **{j: -o.h2d * MS for j, o in z(L) if o.swapped and o.d == 0}},
                  0, np.inf)
-    # issue:  a reload issued when backward starts position min(L+d, post) lands before its need:
-    #   (S_{L+1} - S_{I+1}) + sum_{L<r<=I} bwd_r + need(z_L) + stall_L >= sum_{k: d_k = d} h2d_k z[L,k]
+    # issue:  reloads issued when backward starts position I = min(L+d, post) land before their needs:
+    #   (S_{L+1} - S_{I+1}) + sum_{L<r<=I} bwd_r + stall_L >= sum_{k: d_k = d} lead_k z[L,k]
     for L in layers:
         for d in sorted({o.d for o in menus[L] if o.swapped and o.d >= 1}):
             issue = min(L + d, post)
@@ -216,35 +227,40 @@ def _build(problem: Problem, prefetch: tuple[int, ...], limit: int) -> _Program:
             if issue + 1 in suf_s:
                 coefs[suf_s[issue + 1]] = coefs.get(suf_s[issue + 1], 0.0) - 1.0
             for j, o in z(L):
-                coefs[j] = o.need * MS - (o.h2d * MS if o.swapped and o.d == d else 0.0)
+                if o.swapped and o.d == d:
+                    coefs[j] = -o.lead * MS
             const = sum(bwd[r] for r in range(L + 1, issue + 1)) * MS
             rows.add("issue", coefs, -const, np.inf)
     # window: reloads of layers L..J are all issued no earlier than backward start of I = min(J + dmax, post)
     # and run one at a time, so they end after Bstart_I + their copy times; all are needed by L's last need:
-    #   (S_{L+1} - S_{I+1}) + sum_{L<r<=I} bwd_r + need(z_L) + stall_L >= X_L - X_{J+1}
+    #   (S_{L+1} - S_{I+1}) + sum_{L<r<=I} bwd_r + stall_L >= (X_{L+1} - X_{J+1}) + lead(z_L)
     dmax = max((o.d for p in layers for o in menus[p] if o.swapped), default=0)
     for L in layers:
         for J in range(L + 1, min(L + WINDOW, layers[-1]) + 1):
             issue = min(J + dmax, post)
-            coefs = {stall[L]: 1.0, suf_x[L]: -1.0}
+            coefs = {stall[L]: 1.0}
+            if L + 1 in suf_x:
+                coefs[suf_x[L + 1]] = -1.0
             if J + 1 in suf_x:
-                coefs[suf_x[J + 1]] = 1.0
+                coefs[suf_x[J + 1]] = coefs.get(suf_x[J + 1], 0.0) + 1.0
             if L + 1 in suf_s:
                 coefs[suf_s[L + 1]] = 1.0
             if issue + 1 in suf_s:
                 coefs[suf_s[issue + 1]] = coefs.get(suf_s[issue + 1], 0.0) - 1.0
             for j, o in z(L):
-                coefs[j] = o.need * MS
+                coefs[j] = -o.lead * MS if o.swapped else 0.0
             rows.add("window", coefs, -sum(bwd[r] for r in range(L + 1, issue + 1)) * MS, np.inf)
     # fifo: all reloads of layers >= L land before L's last need, after backward starts and after
     # the last device->host copy (one copy stream, issue order):
-    #   T_f + bwd_above_L + S_{L+1} + need(z_L) + stall_L >= max(T_f, D) + X_L
+    #   T_f + bwd_above_L + S_{L+1} + stall_L >= max(T_f, D) + X_{L+1} + lead(z_L)
     for L in layers:
-        coefs = {stall[L]: 1.0, suf_x[L]: -1.0}
+        coefs = {stall[L]: 1.0}
+        if L + 1 in suf_x:
+            coefs[suf_x[L + 1]] = -1.0
         if L + 1 in suf_s:
             coefs[suf_s[L + 1]] = 1.0
         for j, o in z(L):
-            coefs[j] = o.need * MS
+            coefs[j] = -o.lead * MS if o.swapped else 0.0
         rows.add("fifo_after_forward", dict(coefs), -bwd_above[L] * MS, np.inf)
         coefs[dend] = -1.0
         rows.add("fifo_after_d2h", coefs, -(bwd_above[L] + model.forward_time) * MS, np.inf)
@@ -310,13 +326,16 @@ class MilpSolver(Solver):
     name = "milp"
 
     def __init__(self, *, prefetch: tuple[int, ...] = (0, 1, 2), menu_limit: int = 40, rel_gap: float | None = None,
-                 time_limit: float = 30.0, max_rounds: int = 200, polish_time: float = 1.0) -> None:
+                 time_limit: float = 30.0, max_rounds: int = 200, polish_time: float = 1.0,
+                 large_rounds: int = 6, round_time: float = 1.5) -> None:
         self.prefetch = tuple(prefetch)
         self.menu_limit = menu_limit
         self.rel_gap = rel_gap
         self.time_limit = time_limit
         self.max_rounds = max_rounds
         self.polish_time = polish_time
+        self.large_rounds = large_rounds
+        self.round_time = round_time
 
     def choose(self, problem: Problem) -> tuple[Assignment, dict]:
         start = time.perf_counter()
@@ -341,11 +360,20 @@ class MilpSolver(Solver):
             for p in layers:
                 z = res.x[prog.zcol[p]:prog.zcol[p] + len(prog.menus[p])]
                 ub[prog.zcol[p]:prog.zcol[p] + len(z)] = (z > 1e-7).astype(float)
-        best, bound, rounds, status = self._rounds(problem, prog, ub, rel_gap, start, lp_bound)
-        if best is None and mode == "lp-support":
+        seeds = _seeds(problem) if mode == "lp-support" else []
+        for _, asg in seeds:  # baseline plans join the support where the menus hold them
+            for p in layers:
+                key = tuple(asg.actions[i] for i in model.positions[p])
+                d = next((asg.prefetch[i] for i in model.positions[p] if asg.actions[i] is Action.SWAP), 0)
+                for k, o in enumerate(prog.menus[p]):
+                    if o.acts == key and o.d == d:
+                        ub[prog.zcol[p] + k] = 1.0
+        incumbent = min(seeds, key=lambda sd: sd[0]) if seeds else None
+        best, bound, rounds, status = self._rounds(problem, prog, ub, rel_gap, start, lp_bound, incumbent)
+        if best is None and mode == "lp-support" and status == "optimal":  # support infeasible
             mode = "full"  # the support held no plan the simulator accepts: search the whole menu
             ub = np.where(prog.integrality == 1, 1.0, np.inf)
-            best, bound, more, status = self._rounds(problem, prog, ub, rel_gap, start, lp_bound)
+            best, bound, more, status = self._rounds(problem, prog, ub, rel_gap, start, lp_bound, incumbent)
             rounds += more
         if best is None:
             raise InfeasibleBudgetError(f"milp: no plan in its space fits the budget {fmt_bytes(problem.budget)}"
@@ -375,20 +403,26 @@ class MilpSolver(Solver):
                                    "rows": dict(prog.rows.groups)}}
 
     def _rounds(self, problem: Problem, prog: _Program, ub: np.ndarray, rel_gap: float, start: float,
-                lp_bound: float) -> tuple[tuple[float, Assignment] | None, float, int, str]:
+                lp_bound: float, incumbent: tuple[float, Assignment] | None = None,
+                ) -> tuple[tuple[float, Assignment] | None, float, int, str]:
         """Solve, simulate, cut off candidates the simulator disagrees with, until the gap closes."""
         model = problem.model
         layers = list(model.layer_positions)
-        best: tuple[float, Assignment] | None = None
+        best = incumbent
+        if best is not None and np.isfinite(lp_bound) and best[0] <= lp_bound * (1 + rel_gap):
+            return best, lp_bound, 0, "optimal"  # a baseline already meets the LP bound
         bound = -np.inf
         rounds = 0
         bar = _progress(problem.progress, self.max_rounds)
         status = "optimal"
-        while rounds < self.max_rounds:
+        limit = self.max_rounds if not np.isfinite(lp_bound) else min(self.max_rounds, self.large_rounds)
+        while rounds < limit:
             remaining = self.time_limit - (time.perf_counter() - start)
             if remaining <= 0:
                 status = "time limit"
                 break
+            if np.isfinite(lp_bound):
+                remaining = min(remaining, self.round_time)  # repeated-layer path: short rounds, LP bound
             res = milp(prog.c, constraints=[prog.rows.constraint()], integrality=prog.integrality,
                        bounds=Bounds(np.zeros_like(ub), ub),
                        options={"time_limit": remaining, "mip_rel_gap": rel_gap / 2, "presolve": True})
@@ -409,6 +443,10 @@ class MilpSolver(Solver):
             sim = simulate_assignment(model, asg, in_flight=problem.in_flight)
             if sim.peak_bytes <= problem.budget and (best is None or sim.step_time < best[0]):
                 best = (sim.step_time, asg)
+            if sim.peak_bytes > problem.budget and np.isfinite(lp_bound):
+                # repeated-layer path: memory the program does not see (copies queued across layers);
+                # leave that much room and go on (the LP bound stays a valid bound)
+                prog.rows.tighten_memory((sim.peak_bytes - problem.budget) / MIB)
             target = max(bound, lp_bound) if np.isfinite(lp_bound) else bound
             if best is not None and best[0] <= target * (1 + rel_gap) + 1e-12:
                 break
@@ -421,6 +459,18 @@ class MilpSolver(Solver):
         if bar is not None:
             bar.close()
         return best, bound, rounds, status
+
+
+def _seeds(problem: Problem) -> list[tuple[float, Assignment]]:
+    """Feasible plans of the cheap baselines, simulated: incumbents for the repeated-layer path."""
+    from ._baselines import FullRecompute, GreedyKnapsack, MegatronBlock, NoneBaseline, SwapOnly
+    out = []
+    for cls in (NoneBaseline, GreedyKnapsack, SwapOnly, MegatronBlock, FullRecompute):
+        asg, _ = cls().choose(problem)
+        sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
+        if sim.peak_bytes <= problem.budget:
+            out.append((sim.step_time, asg))
+    return out
 
 
 def _assignment(model, menus: dict[int, list[Option]], choice: dict[int, int]) -> Assignment:

@@ -14,13 +14,9 @@ from dataclasses import dataclass, field
 from profiler._profile import HardwareSpec, Profile, ProfileError
 from profiler._units import _MATMUL_OPS
 
-__all__ = ["StepModel", "UnitInfo", "SAC_MUST_SAVE_LABELS"]
+__all__ = ["StepModel", "UnitInfo"]
 
 log = logging.getLogger(__name__)
-
-SAC_MUST_SAVE_LABELS = ("matmul", "flash_attention")
-"""Op labels the selective-checkpoint policy always caches (Note: [SAC policy])."""
-
 
 def aten_label(op: str) -> str:
     """``aten.mm.default`` -> ``matmul``; SDPA kernels -> ``flash_attention``; else the packet name."""
@@ -48,11 +44,14 @@ class UnitInfo:
     pinned: bool
     """Output read by a unit of another position (the layer output): recompute never frees it."""
     sac_extra: int
-    """Output bytes of this unit's matmul/attention ops that autograd does not save: cached by the SAC
-    policy when the unit is not recomputed in an op-level-recomputed layer (Note: [SAC policy])."""
+    """Bytes the SAC policy caches beyond what autograd saves: 0 (the policy caches only saved outputs,
+    Note: [SAC policy]); kept so menus and the simulator share one formula."""
     sac_replay: float
-    """Forward seconds of this unit's ops that the SAC policy replays even when the unit is not marked
-    recompute (no saved output, not matmul/attention)."""
+    """Forward seconds of this unit's ops the SAC replay runs when the unit is *not* recomputed (ops
+    whose output autograd does not save), up to the replay's early stop."""
+    sac_replay_all: float = 0.0
+    """Forward seconds of this unit's ops the SAC replay runs when the unit *is* recomputed (all its
+    ops up to the early stop)."""
     fwd_end: float = 0.0
     """Forward end time of the unit in an unoptimized step (forward has no stalls)."""
     consumers: list[int] = field(default_factory=list)
@@ -69,7 +68,11 @@ class StepModel:
     """Per position: bytes of its inputs from other positions that are not saved anyway (held by a
     whole-layer checkpoint)."""
     base: int
-    """Static memory + saved model inputs: held for the whole step."""
+    """Parameters + optimizer state + saved model inputs: held for the whole step."""
+    grads: list[int]
+    """Per position: gradient bytes allocated during its backward (gradients are set to None between
+    steps, as ``optimizer.zero_grad()`` does by default). Split by the position's share of matmul FLOPs
+    (weight sizes), evenly over the layers when the profile has no FLOPs."""
     boundary: int
     """Workspace at the start of backward beyond saved activations (loss, logits gradient)."""
     other_time: float
@@ -100,8 +103,17 @@ class StepModel:
 
     @classmethod
     def build(cls, profile: Profile, *, hardware: HardwareSpec | None = None,
-              outside: frozenset[str] = frozenset()) -> "StepModel":
-        """``outside``: unit names that exist on another pipeline stage (their inputs stay pinned)."""
+              outside: frozenset[str] = frozenset(), gradients: str = "auto") -> "StepModel":
+        """``outside``: unit names that exist on another pipeline stage (their inputs stay pinned).
+
+        ``gradients``: ``per-step`` (set to None between steps, allocated during backward, as
+        ``optimizer.zero_grad()`` and ``adaptive-mem run`` do), ``persistent`` (resident gradient
+        buffers, as Megatron / MindSpeed keep), or ``auto``: per-step for a measured profile (it was
+        measured that way), persistent for an estimated one (planning a production setup).
+        """
+        if gradients not in ("auto", "per-step", "persistent"):
+            raise ValueError(f"gradients={gradients!r}: expected auto, per-step or persistent")
+        per_step = profile.measured if gradients == "auto" else gradients == "per-step"
         hw = hardware or profile.hardware
         if hw.h2d_bandwidth <= 0 or hw.d2h_bandwidth <= 0:
             raise ProfileError(f"hardware {hw.name!r}: h2d/d2h bandwidth must be > 0")
@@ -125,18 +137,25 @@ class StepModel:
             for oi in rec.ops:
                 if not 0 <= oi < len(profile.ops):
                     raise ProfileError(f"profile.units[{i}].ops: index {oi} out of range")
-                op = profile.ops[oi]
-                label = aten_label(op.op)
-                if label in SAC_MUST_SAVE_LABELS:
-                    extra += max(0, op.output_bytes - op.saved_bytes)
-                elif op.saved_bytes == 0:
-                    replay += op.fwd_time
             units.append(UnitInfo(index=i, name=rec.name, local_name=rec.local_name, position=pos,
                                   saved=rec.saved_bytes, output=rec.output_bytes, fwd=rec.fwd_time, bwd=rec.bwd_time, pinned=False,
                                   sac_extra=extra, sac_replay=replay))
         positions: list[list[int]] = [[] for _ in range(n + 2)]
         for u in units:
             positions[u.position].append(u.index)
+        for members in positions:
+            # Note: [SAC policy] the replay stops early: just before the last op that saves an input or
+            # parameter, or just after the last op that saves its own output, whichever is later.
+            op_ids = sorted(oi for i in members for oi in profile.units[i].ops)
+            stop = op_ids[-1] if op_ids else -1
+            before = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_inputs", False)]
+            after = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_outputs", False)]
+            if before or after:
+                stop = max(max(before, default=-1) - 1, max(after, default=-1))
+            for i in members:
+                ops = [profile.ops[oi] for oi in profile.units[i].ops if oi <= stop]
+                units[i].sac_replay_all = sum(op.fwd_time for op in ops)
+                units[i].sac_replay = sum(op.fwd_time for op in ops if op.saved_bytes == 0)
         input_extra = [0] * (n + 2)
         held_inputs: set[tuple[int, int]] = set()
         for i, rec in enumerate(profile.units):
@@ -160,8 +179,19 @@ class StepModel:
         fwd = sum(u.fwd for u in units)
         bwd = sum(u.bwd for u in units)
         saved = sum(u.saved for u in units) + profile.saved_input_bytes
-        boundary = max(0, profile.peak_memory - profile.static.total - saved)
+        resident_grads = 0 if per_step else profile.static.gradients
+        base = profile.static.total - profile.static.gradients + resident_grads + profile.saved_input_bytes
+        boundary = max(0, profile.peak_memory - base - (saved - profile.saved_input_bytes))
+        weight = [0.0] * (n + 2)
+        for u, rec in zip(units, profile.units):
+            weight[u.position] += sum(profile.ops[i].flops for i in rec.ops
+                                      if aten_label(profile.ops[i].op) == "matmul")
+        if not sum(weight):
+            weight = [0.0] + [1.0] * n + [0.0] if n else [1.0] * (n + 2)
+        total = profile.static.gradients - resident_grads
+        grads = [int(total * w / sum(weight)) for w in weight]
+        grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
         other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
         return cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
-                   base=profile.static.total + profile.saved_input_bytes, boundary=boundary, other_time=other,
+                   base=base, grads=grads, boundary=boundary, other_time=other,
                    forward_time=fwd, backward_time=bwd)

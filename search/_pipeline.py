@@ -43,6 +43,7 @@ def split_stages(profile: Profile, *, stages: int, micro_batches: int,
         size = n // stages + (1 if s < n % stages else 0)
         bounds.append(range(start, start + size))
         start += size
+    whole = StepModel.build(profile, hardware=hardware)
     first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
     out = []
     for s, layers in enumerate(bounds):
@@ -58,9 +59,10 @@ def split_stages(profile: Profile, *, stages: int, micro_batches: int,
         static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
                          optimizer_state=int(st.optimizer_state * share))
         saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if s == 0 else 0)
-        boundary = max(0, profile.peak_memory - st.total - profile.saved_bytes) if s == stages - 1 else 0
+        boundary = whole.boundary if s == stages - 1 else 0
+        resident = static.total - (static.gradients if profile.measured else 0)  # as StepModel.build's "auto"
         sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if s == 0 else 0,
-                      peak_memory=static.total + saved + boundary,
+                      peak_memory=resident + saved + boundary,
                       step_time=sum(u.fwd_time + u.bwd_time for u in keep))
         model = StepModel.build(sub, hardware=hardware, outside=outside)
         out.append(Stage(s, layers, min(stages - s, micro_batches), model))

@@ -138,10 +138,11 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
             # Note: [SAC policy] a recomputed unit frees its saved bytes unless it is the layer output
             hold[i] = u.saved if u.pinned else 0
             transient += u.saved
-            replay += u.fwd
+            replay += u.sac_replay_all
         else:
             hold[i] = (0 if a is Action.SWAP else u.saved) + (u.sac_extra if sac else 0)
-            replay += u.sac_replay if sac else 0.0
+            # swapped units' ops are MUST_SAVE (their cached outputs are what is swapped)
+            replay += u.sac_replay if sac and a is not Action.SWAP else 0.0
     return Segment((p,), "sac" if sac else "plain", members, hold, 0, swaps, transient, replay)
 
 
@@ -216,6 +217,7 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             if record:
                 intervals.append(Interval("copy", "h2d", c0, stream, units[i].name))
         add(t, seg.transient)
+        add(t, sum(model.grads[p] for p in seg.positions))
         if seg.replay:
             if record:
                 intervals.append(Interval("compute", "recompute", t, t + seg.replay, _seg_name(model, seg)))

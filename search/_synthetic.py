@@ -36,7 +36,7 @@ def _hardware(bandwidth: float) -> HardwareSpec:
 
 
 def synthetic_profile(*, layers: list[list[SyntheticUnit]], static: int = 0, bandwidth: float = 1e9,
-                      boundary_bytes: int = 0, measured: bool = False) -> Profile:
+                      boundary_bytes: int = 0, measured: bool = False, gradients: int = 0) -> Profile:
     """A Profile of ``len(layers)`` layers under ``layers.<i>``, units chained in order.
 
     Each unit consumes the previous unit's output; the last unit of a layer is consumed by the
@@ -70,8 +70,8 @@ def synthetic_profile(*, layers: list[list[SyntheticUnit]], static: int = 0, ban
         model={"spec": "synthetic", "fingerprint": None, "batch_size": 1, "seq_len": 1, "dtype": "float32",
                "parameters": static // 4},
         device="meta", measured=measured, hardware=_hardware(bandwidth), layer_container="layers",
-        num_layers=len(layers), static=StaticMemory(parameters=static // 4, gradients=static // 4,
-                                                   optimizer_state=static - 2 * (static // 4)),
+        num_layers=len(layers), static=StaticMemory(parameters=static // 3, gradients=gradients,
+                                                   optimizer_state=static - static // 3),
         ops=ops, units=units, saved_input_bytes=0, peak_memory=static + saved + boundary_bytes,
         step_time=fwd + bwd,
     )

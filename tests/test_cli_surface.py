@@ -15,7 +15,7 @@ COMMON = {"--debug", "--log-level", "-h", "--help"}
 EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
                 "--optimizer", "-o", "--output", "--top"},
-    "demo": {"--out"},
+    "demo": {"--out", "--model"},
     "explain": {"--model", "--model-args", "--config", "--recompute-activations", "--recompute-granularity",
                 "--recompute-method", "--recompute-num-layers", "--distribute-saved-activations"},
     "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
@@ -25,6 +25,8 @@ EXPECTED: dict[str, set[str]] = {
     "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
             "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
             "--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache"},
+    "bench": {"--model", "--model-args", "--batch-size", "--seq-len", "--budgets", "--policies", "--out", "--steps",
+              "--warmup", "--repeats", "--threads", "--timeout", "--simulate", "--simulate-only"},
 }
 
 

@@ -315,3 +315,55 @@ def test_config_front_end_plan_gives_exact_gradients():
         assert handle.swap_stats.offloaded_bytes > 0
     for n, p in model.named_parameters():
         assert torch.equal(p.grad, ref[n]), n
+
+
+@pytest.mark.distributed
+def test_distribute_saved_activations_uses_the_sharded_checkpoint(monkeypatch):
+    import torch.distributed as dist
+
+    import adaptive_mem._distributed_checkpoint as dc
+
+    model = _tiny()
+    ids = _ids()
+    model(ids).logsumexp(-1).sum().backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    calls = []
+    original = dc.distributed_checkpoint
+
+    def spy(fn, *args, **kwargs):
+        calls.append(len(args))
+        return original(fn, *args, **kwargs)
+
+    monkeypatch.setattr(dc, "distributed_checkpoint", spy)
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        plan = _plan({"layers": "recompute"}, groups=[[2, 3]], distribute_saved_activations=True)
+        with optimize(model, plan=plan):
+            model(ids).logsumexp(-1).sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert len(calls) == 3  # layers 0, 1 and the group [2, 3]
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, ref[n]), n
+
+
+def test_plan_fingerprinted_by_the_profiler_is_accepted_and_checked():
+    from profiler import profile_step
+
+    bundle = build_model("llama-tiny", seed=0)
+    prof = profile_step(bundle, warmup=0, repeat=0)
+    plan = _plan({"layers.0.feed_forward.mul": "recompute"}, fingerprint=prof.model["fingerprint"])
+    with optimize(bundle.model, plan=plan, profile=prof):
+        bundle.loss(bundle.batch(seed=0)).backward()
+    other = build_model("llama-tiny", seed=0, seq_len=16)
+    with optimize(other.model, plan=plan) as handle:
+        with pytest.raises(PlanError, match="input shape mismatch"):
+            other.loss(other.batch(seed=0))
+        assert not handle.active
+    _untouched(other.model)

@@ -7,6 +7,7 @@ hooks mark what autograd saves.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -55,7 +56,10 @@ def _step_peak(bundle, batch, plan: Plan | None) -> int:
     bundle.model.zero_grad(set_to_none=True)
     handle = optimize(bundle.model, plan=plan) if plan is not None else None
     try:
-        with DeviceMemory() as mem:
+        gc.collect()
+        mem = DeviceMemory(track_existing=False)
+        mem.track(bundle.model, batch)
+        with mem:
             base = mem.live
             bundle.loss(batch).backward()
     finally:
@@ -81,7 +85,10 @@ def _forward_activation_bytes(bundle, batch, plan: Plan | None) -> int:
     """Device bytes the forward leaves alive for backward (activations), measured at the loss."""
     handle = optimize(bundle.model, plan=plan) if plan is not None else None
     try:
-        with DeviceMemory() as mem:
+        gc.collect()
+        mem = DeviceMemory(track_existing=False)
+        mem.track(bundle.model, batch)
+        with mem:
             base = mem.live
             loss = bundle.loss(batch)
             held = mem.live - base
@@ -109,7 +116,10 @@ def test_fifty_steps_bounded_pool_and_no_growth():
                   "layers.2.feed_forward.w1.activation.silu": "recompute",
                   "layers.2.feed_forward.w3": {"action": "swap", "backward_prefetch": 1},
                   "layers.3": "recompute"})
-    with optimize(model, plan=plan) as handle, DeviceMemory() as mem:
+    gc.collect()
+    mem = DeviceMemory(track_existing=False)
+    mem.track(model, opt)
+    with optimize(model, plan=plan) as handle, mem:
         lives, pools = [], []
         for step in range(50):
             before = mem.live
@@ -138,7 +148,10 @@ def test_file_backed_host_store_moves_bytes_out_of_ram():
     ref_grads = {n: p.grad.clone() for n, p in bundle.model.named_parameters()}
     bundle.model.zero_grad(set_to_none=True)
     plan = _plan({"layers": {"action": "swap", "backward_prefetch": 1}})
-    with optimize(bundle.model, plan=plan, host_store="file") as handle, DeviceMemory() as mem:
+    gc.collect()
+    mem = DeviceMemory(track_existing=False)
+    mem.track(bundle.model, batch)
+    with optimize(bundle.model, plan=plan, host_store="file") as handle, mem:
         pool = handle._executor.engine.pool
         base = mem.live
         loss = bundle.loss(batch)

@@ -34,6 +34,26 @@ def test_keep_everything():
     assert sim.stall_time == 0 and sim.recompute_time == 0
 
 
+def test_persistent_gradients_are_static_memory():
+    # an estimated (fake-tensor) profile plans for resident gradient buffers
+    model = two_layers(gradients=6 * MiB)
+    assert sum(model.grads) == 0
+    assert simulate(model, Plan()).peak_bytes == STATIC + 6 * MiB + 12 * MiB
+
+
+def test_gradients_appear_during_backward():
+    # a measured profile: gradients set to None between steps; 6 MiB, 3 per layer (no FLOPs in the
+    # profile: split evenly), allocated in each layer's backward
+    model = two_layers(gradients=6 * MiB, measured=True)
+    assert model.grads[1:3] == [3 * MiB, 3 * MiB]
+    keep = simulate(model, Plan(), record=True)
+    assert keep.peak_bytes == STATIC + 12 * MiB + 3 * MiB  # end of layer 1's backward
+    assert keep.timeline.memory[-1][1] == STATIC + 6 * MiB
+    full = simulate(model, plan(layers__0="recompute", layers__1="recompute"))
+    # end of layer 0's backward: its output (2) + replay (6) + all gradients (6)
+    assert full.peak_bytes == STATIC + 2 * MiB + 6 * MiB + 6 * MiB
+
+
 def test_boundary_workspace_counts_at_backward_start():
     sim = simulate(two_layers(boundary_bytes=5 * MiB), Plan())
     assert sim.peak_bytes == STATIC + 17 * MiB
@@ -87,18 +107,36 @@ def test_prefetch_beyond_the_layers_left_starts_at_backward_start():
     assert far.peak_bytes == STATIC + 16 * MiB and far.stall_time == 0
 
 
-def test_sac_policy_caches_matmul_outputs_autograd_does_not_save():
-    # Note: [SAC policy] the matmul's 3 MiB output is MUST_SAVE while another unit is recomputed
+def _sac_layer(**flags):
+    from dataclasses import replace
     layer = [SyntheticUnit("norm", 4 * MiB, 1 * ms, 2 * ms),
              SyntheticUnit("w.matmul", 0, 2 * ms, 2 * ms, output_bytes=3 * MiB),
              SyntheticUnit("silu", 2 * MiB, 1 * ms, 2 * ms)]
-    model = StepModel.build(synthetic_profile(layers=[layer], static=0, bandwidth=1000 * MiB))
-    keep = simulate(model, Plan())
-    assert keep.peak_bytes == 6 * MiB
+    prof = synthetic_profile(layers=[layer], static=0, bandwidth=1000 * MiB)
+    prof.ops[1] = replace(prof.ops[1], **flags)
+    return StepModel.build(prof)
+
+
+def test_sac_policy_holds_saved_bytes_minus_recomputed_and_replays_unsaved_ops():
+    # Note: [SAC policy] nothing is cached beyond what autograd saves; the matmul (output not saved) is
+    # PREFER_RECOMPUTE, so the replay runs norm (recomputed) and the matmul: 1 + 2 ms
+    model = _sac_layer()
+    assert simulate(model, Plan()).peak_bytes == 6 * MiB
     sac = simulate(model, plan(layers__0__norm="recompute"))
-    # held = 6 - 4 (recomputed) + 3 (cached matmul output); transient 4 during the backward
-    assert sac.peak_bytes == (6 - 4 + 3 + 4) * MiB
+    assert sac.peak_bytes == (6 - 4 + 4) * MiB  # held 2, transient 4 in the backward
+    assert sac.recompute_time == pytest.approx(3 * ms)
+
+
+def test_sac_replay_stops_early():
+    # the matmul saves its input (a parameter/input saved before it runs): the replay stops before it
+    model = _sac_layer(saves_inputs=True)
+    sac = simulate(model, plan(layers__0__norm="recompute"))
     assert sac.recompute_time == pytest.approx(1 * ms)
+    # ... and a later op that saves its own output extends the replay through that op
+    from dataclasses import replace
+    model.profile.ops[2] = replace(model.profile.ops[2], saves_outputs=True)
+    again = simulate(StepModel.build(model.profile), plan(layers__0__norm="recompute"))
+    assert again.recompute_time == pytest.approx(3 * ms)  # norm + matmul (silu is cached: MUST_SAVE)
 
 
 def test_coupling_swap_dropped_when_a_recomputed_unit_consumes_it():
@@ -130,18 +168,18 @@ def test_unknown_target_and_recompute_outside_layers_are_refused():
 
 def test_pipeline_stage_holds_its_micro_batches():
     layer = [SyntheticUnit("a", 4 * MiB, 1 * ms, 2 * ms), SyntheticUnit("b", 2 * MiB, 1 * ms, 2 * ms)]
-    prof = synthetic_profile(layers=[layer] * 4, static=40 * MiB, bandwidth=1000 * MiB)
+    prof = synthetic_profile(layers=[layer] * 4, static=48 * MiB, bandwidth=1000 * MiB)
     stages = split_stages(prof, stages=2, micro_batches=4)
     assert [s.in_flight for s in stages] == [2, 1]
     assert [list(s.layers) for s in stages] == [[0, 1], [2, 3]]
     first = simulate(stages[0].model, Plan(), in_flight=stages[0].in_flight)
     last = simulate(stages[1].model, Plan(), in_flight=stages[1].in_flight)
-    # 20 MiB static each; stage 0 holds two micro-batches of its 12 MiB
-    assert first.peak_bytes == 20 * MiB + 2 * 12 * MiB
-    assert last.peak_bytes == 20 * MiB + 12 * MiB
+    # 24 MiB static each; stage 0 holds two micro-batches of its 12 MiB
+    assert first.peak_bytes == 24 * MiB + 2 * 12 * MiB
+    assert last.peak_bytes == 24 * MiB + 12 * MiB
     # the last unit of stage 0 feeds stage 1: it stays pinned under whole-layer recompute
     rec = simulate(stages[0].model, plan(layers__1="recompute"), in_flight=1)
-    assert rec.peak_bytes == 20 * MiB + 6 * MiB + 2 * MiB + 6 * MiB
+    assert rec.peak_bytes == 24 * MiB + 6 * MiB + 2 * MiB + 6 * MiB
 
 
 def test_timeline_memory_curve_ends_at_static():

@@ -108,10 +108,10 @@ def test_milp_larger_budget_is_never_slower():
 
 def test_milp_reports_bound_and_gap_on_a_large_model():
     # 80 layers x 16 units: the repeated-layer path (LP bound + integer program on its support)
-    model = StepModel.build(random_profile(random.Random(3), num_layers=80, units_per_layer=16, bandwidth=0.5e9))
+    model = StepModel.build(random_profile(random.Random(3), num_layers=80, units_per_layer=16, bandwidth=1e9))
     budget = Budget(activation_fraction=0.3).resolve(model)
     result = _solve("milp", model, budget)
     assert result.stats.lower_bound is not None and result.stats.lower_bound <= result.cost.step_time
     assert result.stats.gap is not None and result.stats.gap <= 0.005
-    assert result.stats.extra["mode"] in ("lp-support", "full")
-    assert any(d.action is Action.RECOMPUTE for d in result.plan.decisions.values())
+    assert result.stats.extra["mode"].startswith("lp-support")
+    assert result.plan.decisions  # the budget needs recompute or swap

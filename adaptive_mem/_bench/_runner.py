@@ -1,0 +1,182 @@
+"""Run the bench: profile once, prepare every (policy, budget), run each in its own process.
+
+Runs are interleaved across repeats (policy A, B, C, A, B, C, ...) so machine noise hits all
+policies alike; each run is a fresh ``python -m adaptive_mem._bench._worker`` process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._policies import get_policy
+from ._prepare import PrepareContext
+from ._results import RESULTS_FORMAT, RESULTS_VERSION, merge_repeats
+
+__all__ = ["BenchConfig", "run_bench"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    spec: str
+    """Model spec (preset, hf:<family>, module:factory)."""
+    budgets: tuple[float, ...]
+    """Activation budgets: fractions of the unoptimized activation memory (as ``search --activation-budget``)."""
+    policies: tuple[str, ...]
+    """Policy names, see ``adaptive-mem bench --help``."""
+    out: Path
+    """Output directory (results.json, report.md, PNGs, plans/, profile.json)."""
+    model_args: str | None = None
+    """Overrides of the model config (``key=value,...``)."""
+    batch_size: int | None = None
+    """Micro-batch size (default: the spec's)."""
+    seq_len: int | None = None
+    """Sequence length (default: the spec's)."""
+    steps: int = 5
+    """Timed steps per run (after warm-up and the memory-tracked step)."""
+    warmup: int = 1
+    """Warm-up steps per run (at least one; adaptive mode warms up until it converges)."""
+    repeats: int = 1
+    """Processes per (policy, budget); the row holds the median of their median step times."""
+    threads: int = 1
+    """torch intra-op threads in each worker (the same for every policy)."""
+    timeout: float = 1800.0
+    """Seconds a single run may take before it is recorded as failed."""
+    seed: int = 0
+    """Weights and batches seed (the same for every policy)."""
+    command: str = ""
+    """The command line, recorded in results.json."""
+
+
+def _machine() -> dict[str, Any]:
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "load_average_at_start": [round(x, 2) for x in load]}
+
+
+def _spawn(job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=workdir, delete=False) as f:
+        json.dump(job, f)
+        job_path = Path(f.name)
+    result_path = job_path.with_suffix(".result.json")
+    env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "adaptive_mem._bench._worker", str(job_path), str(result_path)],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        return {"status": "failed", "error": f"timed out after {timeout:g} s"}
+    finally:
+        job_path.unlink(missing_ok=True)
+    if not result_path.exists():
+        tail = (proc.stderr or "").strip().splitlines()[-1:] or [f"exit code {proc.returncode}"]
+        return {"status": "failed", "error": f"worker died: {tail[0]}"}
+    result = json.loads(result_path.read_text())
+    result_path.unlink(missing_ok=True)
+    return result
+
+
+def _rows(config: BenchConfig, ctx: PrepareContext) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """(row, job or None) for every (policy, budget); jobs are None for runs that cannot start."""
+    from search import InfeasibleBudgetError
+
+    out = []
+    for name in config.policies:
+        policy = get_policy(name)
+        budgets = config.budgets if policy.budgeted else (None,)
+        reason = policy.unavailable(config.spec)
+        for budget in budgets:
+            row = {"policy": name, "label": policy.label, "budget": budget, "budget_bytes": ctx.budget_bytes(budget),
+                   "eager": policy.eager, "ours": policy.ours}
+            if reason is not None:
+                out.append(({**row, "status": "skipped", "error": reason}, None))
+                continue
+            try:
+                prepared = policy.prepare(ctx, budget)
+            except InfeasibleBudgetError as exc:
+                out.append(({**row, "status": "infeasible", "error": str(exc)}, None))
+                continue
+            for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan"):
+                if key in prepared:
+                    row[key] = prepared[key]
+            job = {"spec": config.spec, "model_args": config.model_args, "batch_size": config.batch_size,
+                   "seq_len": config.seq_len, "seed": config.seed, "steps": config.steps, "warmup": config.warmup,
+                   "threads": config.threads, "policy": name, "budget": budget, **prepared}
+            out.append((row, job))
+    return out
+
+
+def run_bench(config: BenchConfig, *, progress: bool = True, profile: Any = None) -> dict[str, Any]:
+    """Profile (unless ``profile`` is given), prepare and run every (policy, budget); returns the
+    results dict (not yet saved)."""
+    config.out.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)  # the profile's times are taken as the workers run
+    try:
+        return _run(config, progress, profile)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
+    import profiler
+    from tqdm import tqdm
+
+    from .._model_spec import build_model
+
+    bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
+                         seq_len=config.seq_len, seed=config.seed)
+    if profile is None:
+        log.info("profiling %s (batch %d x seq %d) for the predictions and plans", config.spec, bundle.batch_size,
+                 bundle.seq_len)
+        profile = profiler.profile_step(bundle, optimizer="adam")
+    profile.save(config.out / "profile.json")
+    ctx = PrepareContext(profile, config.out)
+    tokens = bundle.batch_size * bundle.seq_len
+    rows = _rows(config, ctx)
+    measured: list[list[dict[str, Any]]] = [[] for _ in rows]
+    todo = [(k, r) for r in range(config.repeats) for k, (_, job) in enumerate(rows) if job is not None]
+    workdir = config.out / "jobs"
+    workdir.mkdir(exist_ok=True)
+    with tqdm(total=len(todo), desc="bench runs", unit="run", file=sys.stderr, disable=not progress) as bar:
+        for k, _ in todo:
+            row, job = rows[k]
+            bar.set_postfix_str(f"{row['policy']}" + ("" if row["budget"] is None else f"@{row['budget']:g}"))
+            result = _spawn(job, workdir, config.timeout)
+            if result.get("status") != "ok":
+                log.warning("%s at budget %s: %s", row["policy"], row["budget"], result.get("error"))
+            measured[k].append(result)
+            bar.update(1)
+    try:
+        workdir.rmdir()
+    except OSError:
+        pass
+    runs = [row if job is None else merge_repeats(row, measured[k], tokens) for k, (row, job) in enumerate(rows)]
+    model = ctx.model
+    return {
+        "format": RESULTS_FORMAT,
+        "version": RESULTS_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": config.command,
+        "machine": {**_machine(), "threads_per_run": config.threads},
+        "model": {"spec": config.spec, "model_args": config.model_args, "batch_size": bundle.batch_size,
+                  "seq_len": bundle.seq_len, "dtype": str(bundle.dtype).removeprefix("torch."),
+                  "tokens_per_step": tokens, "num_layers": profile.num_layers,
+                  "static_bytes": profile.static.total, "base_bytes": model.base,
+                  "predicted_unoptimized_peak_bytes": ctx.unoptimized_peak},
+        "settings": {"budgets": list(config.budgets), "policies": list(config.policies), "steps": config.steps,
+                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed},
+        "runs": runs,
+    }

@@ -1,0 +1,197 @@
+"""One bench run in its own process: build the model, apply one policy, measure, write JSON.
+
+    python -m adaptive_mem._bench._worker JOB.json RESULT.json
+
+Protocol (the same for every policy):
+
+1. build the model from the spec and seed, Adam, the policy applied;
+2. warm-up steps (one, or until the policy says it is ready, e.g. the adaptive loop converged);
+3. one step under a memory tracker that records the live device bytes after every op
+   (:class:`TimelineMemory`, an independent :class:`~adaptive_mem.DeviceMemory`): the peak and the timeline;
+4. ``steps`` timed steps without the tracker (its per-op bookkeeping would tax policies that run more ops).
+
+Batches come from ``bundle.batch(seed=k)`` for step ``k``; every policy sees the same sequence.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import sys
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._accounting import DeviceMemory
+from ._prepare import _thin
+
+__all__ = ["EntryScanMemory", "TimelineMemory", "run_job"]
+
+log = logging.getLogger(__name__)
+
+
+class EntryScanMemory(DeviceMemory):
+    """:class:`DeviceMemory` whose entry scan skips what is not device memory (see :func:`_live_tensors`)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(track_existing=False, **kwargs)
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Lets torch.compile'd code run as compiled under this mode (dynamo skips frames under other
+        # modes, i.e. it would measure the eager model). The compiled graphs' aten ops still pass here.
+        return True
+
+    def __enter__(self) -> "EntryScanMemory":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # .grad of non-leaf tensors found by the scan
+            self.track(_live_tensors())
+        return super().__enter__()
+
+
+class TimelineMemory(EntryScanMemory):
+    """Also records ``(seconds since entry, live bytes)`` after every op."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.points: list[tuple[float, int]] = []
+        self._t0 = 0.0
+
+    def __enter__(self) -> "TimelineMemory":
+        out = super().__enter__()
+        self._t0 = time.perf_counter()
+        self.points = [(0.0, self.live)]
+        return out
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self.points.append((time.perf_counter() - self._t0, self.live))
+        return out
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    """Every device tensor the garbage collector knows at entry, except host-side swap buffers.
+
+    Two differences from ``DeviceMemory(track_existing=True)``: dead weak proxies are skipped
+    (``isinstance`` raises on them, e.g. after torch.compile), and the swap pools' host buffers
+    (``HostBuffer.tensor``, created under ``host_allocations`` in an earlier step and kept for
+    reuse) are not counted as device memory on CPU.
+    """
+    import gc
+
+    from .._host_pool import HostBuffer
+
+    out = []
+    host: set[int] = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for obj in gc.get_objects():
+            try:
+                if isinstance(obj, torch.Tensor):
+                    out.append(obj)
+                elif isinstance(obj, HostBuffer) and obj.tensor is not None:
+                    host.add(obj.tensor.untyped_storage()._cdata)
+            except ReferenceError:
+                continue
+    return [t for t in out if _storage_key(t) not in host]
+
+
+def _storage_key(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
+        return None
+
+
+def _step(bundle: Any, optimizer: torch.optim.Optimizer, seed: int) -> float:
+    batch = bundle.batch(seed=seed)
+    loss = bundle.loss(batch)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = float(loss.detach())
+    del loss
+    return value
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    from .._model_spec import build_model
+    from ._policies import get_policy
+
+    torch.manual_seed(int(job.get("seed", 0)))
+    bundle = build_model(job["spec"], model_args=job.get("model_args"), batch_size=job.get("batch_size"),
+                         seq_len=job.get("seq_len"), dtype=job.get("dtype", "float32"), seed=int(job.get("seed", 0)))
+    params = [p for p in bundle.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.Adam(params, lr=1e-4)
+    policy = get_policy(job["policy"])
+    applied = policy.apply(bundle, optimizer, job)
+    run_bundle = applied.bundle
+    seed = 0
+    losses: list[float] = []
+    warm_times: list[float] = []
+    try:
+        warmups = max(1, int(job.get("warmup", 1)))
+        limit = 50
+        for k in range(limit):
+            cap = applied.accounted_warmup
+            start = time.perf_counter()
+            if cap is not None:
+                with EntryScanMemory(cap=cap):
+                    losses.append(_step(run_bundle, optimizer, seed))
+            else:
+                losses.append(_step(run_bundle, optimizer, seed))
+            warm_times.append(time.perf_counter() - start)
+            seed += 1
+            ready = applied.warmup_until() if applied.warmup_until is not None else True
+            if k + 1 >= warmups and ready:
+                break
+        with TimelineMemory() as mem:
+            mem.reset_peak()
+            losses.append(_step(run_bundle, optimizer, seed))
+        seed += 1
+        times = []
+        for _ in range(int(job["steps"])):
+            start = time.perf_counter()
+            losses.append(_step(run_bundle, optimizer, seed))
+            times.append(time.perf_counter() - start)
+            seed += 1
+    finally:
+        applied.remove()
+    median = statistics.median(times)
+    tokens = bundle.batch_size * bundle.seq_len
+    return {
+        "status": "ok",
+        "peak_bytes": int(mem.peak),
+        "step_times": times,
+        "median_step_time": median,
+        "tokens_per_s": tokens / median,
+        "warmup_steps": len(warm_times),
+        "warmup_times": [round(t, 4) for t in warm_times],
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "timeline_measured": _thin(mem.points),
+        "info": applied.info,
+    }
+
+
+def main(argv: list[str]) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s - %(message)s", stream=sys.stderr)
+    job_path, result_path = argv
+    job = json.loads(Path(job_path).read_text())
+    torch.set_num_threads(int(job.get("threads") or torch.get_num_threads()))
+    try:
+        result = run_job(job)
+    except Exception as exc:  # noqa: BLE001 - a failing policy is a result row, not a crash of the bench
+        result = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                  "traceback": traceback.format_exc(limit=8)}
+    Path(result_path).write_text(json.dumps(result, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,67 @@
+"""The adaptive loop's policy: binary search on the memory target, and what each step recorded.
+
+``TargetSearch.observe`` returns a :class:`Move` for one measured step: a rescue tightens the target,
+a clean step relaxes it toward the budget (MindSpeed's binary search on the memory target), and a
+closed interval converges.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+__all__ = ["Move", "TargetSearch", "StepRecord"]
+
+
+class Move(str, enum.Enum):
+    TIGHTEN = "tighten"
+    """A rescue happened: the plan needs more room than the simulator thought."""
+    RELAX = "relax"
+    """A clean step with room left: try a faster plan."""
+    CONVERGED = "converged"
+    """The interval is closed: keep this target."""
+
+
+@dataclass
+class TargetSearch:
+    """Binary search on the memory target given to the solver, between ``lo`` (known clean or the
+    minimum feasible) and ``hi`` (known to need rescues, or just above the budget)."""
+
+    lo: int
+    hi: int
+    target: int
+    tolerance: int
+
+    def observe(self, *, rescued: bool) -> Move:
+        if rescued:
+            self.hi = self.target
+            if self.hi - self.lo <= self.tolerance:
+                self.target = self.lo
+                return Move.CONVERGED
+        else:
+            self.lo = self.target
+            if self.hi - self.lo <= self.tolerance:
+                return Move.CONVERGED
+        self.target = (self.lo + self.hi) // 2
+        return Move.TIGHTEN if rescued else Move.RELAX
+
+
+@dataclass
+class StepRecord:
+    step: int
+    """1-based step index since the loop started."""
+    kind: str
+    """``warmup`` (plain model, profiling), ``cached`` (plan from the cache applied after it), ``adapt``,
+    ``steady`` (converged)."""
+    target: int | None
+    """Memory target the step's plan was searched for."""
+    peak: int | None
+    """Measured peak device bytes of the step (None where the device cannot tell)."""
+    seconds: float
+    """Forward + backward wall time."""
+    rescues: int
+    """SwapManager rescues during the step."""
+    retries: int
+    """Allocator retries during the step."""
+    decision: str = ""
+    """What the loop decided after the step, and why."""

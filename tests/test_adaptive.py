@@ -1,0 +1,142 @@
+"""Acceptance of the adaptive loop (``--adaptive-memory-optimization``) on CPU with an accounted budget."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+import pytest
+import torch
+
+import adaptive_mem
+from adaptive_mem import AdaptiveBudgetError, DeviceMemory, adaptive_optimize, apply_arguments
+from search import Problem, StepModel, get_solver, simulate
+
+from _adaptive_common import assert_grads, bundle, optimizer, reference, train
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(STEPS)
+
+
+def test_sixty_percent_budget_ooms_without_the_flag_and_trains_exactly_with_it(ref, tmp_path, caplog):
+    grads, peak = ref
+    budget = int(0.6 * peak)
+    b = bundle()
+    with pytest.raises(torch.OutOfMemoryError):
+        train(b, optimizer(b.model), 1, cap=budget)
+
+    b = bundle()
+    opt = optimizer(b.model)
+    caplog.set_level(logging.INFO, logger="adaptive_mem._adaptive")
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache_dir=tmp_path) as am:
+        peaks = train(b, opt, STEPS, cap=budget, check=lambda s: assert_grads(b.model, grads[s], s))
+        assert len(am.history) == STEPS
+        assert max(peaks) <= budget, (peaks, budget)
+        assert am.converged_at is not None and am.converged_at <= 10, [r.decision for r in am.history]
+        assert am.history[0].kind == "warmup" and am.history[0].rescues > 0, "the warm-up step needed rescues"
+        assert am.plan is not None and am.plan.decisions, "a plan was applied"
+    text = caplog.text
+    assert "profiled the model" in text and "warm-up done: applying the plan" in text and "converged at target" in text
+    assert not b.model._forward_pre_hooks and not b.model._forward_hooks, "remove() left hooks behind"
+
+
+def test_converged_plan_is_within_ten_percent_of_the_offline_milp_plan(ref, tmp_path):
+    """Plan side of the timing criterion (the measured times are in benchmarks/bench_adaptive.py): on the
+    same profile, the simulated step time of the converged plan is within 10% of milp's plan for the budget."""
+    _, peak = ref
+    budget = int(0.6 * peak)
+    b = bundle()
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
+        peaks = train(b, opt, STEPS, cap=budget)
+        model: StepModel = am._step_model
+        offline = get_solver("milp").solve(Problem(model, budget))
+        adaptive = simulate(model, am.plan)
+        assert am.converged
+        assert adaptive.step_time <= 1.10 * offline.cost.step_time, (adaptive.step_time, offline.cost.step_time)
+        assert am.target <= budget
+        steady = [r for r in am.history if r.kind == "steady"]
+        assert steady and all(r.peak <= budget for r in steady)
+    assert max(peaks) <= budget
+
+
+def test_budget_below_the_minimum_is_an_error_with_the_numbers_and_no_partial_step(ref):
+    b = bundle()
+    opt = optimizer(b.model)
+    before = {n: p.detach().clone() for n, p in b.model.named_parameters()}
+    param_bytes = sum(p.untyped_storage().nbytes() for p in b.model.parameters())
+    # below the parameters (no device could hold the model: no cap), then above parameters + gradients
+    for budget, cap in ((param_bytes // 2, None), (2 * param_bytes + 200_000, 2 * param_bytes + 200_000)):
+        start = time.perf_counter()
+        with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False):
+            with pytest.raises(AdaptiveBudgetError) as info:
+                train(b, opt, 1, cap=cap)
+        message = str(info.value)
+        assert "needed" in message and "budget" in message and f"{budget} bytes" in message, message
+        assert "largest unswappable tensor" in message, message
+        assert time.perf_counter() - start < 60
+        for n, p in b.model.named_parameters():
+            assert p.grad is None, f"{n}: a gradient was written by a failed step"
+            assert torch.equal(p.detach(), before[n]), f"{n}: parameters changed"
+
+
+def test_new_input_shape_plans_again(tmp_path):
+    b = bundle()
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=8_000_000, optimizer=opt, cache_dir=tmp_path) as am:
+        with DeviceMemory(cap=8_000_000, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            for seq in (128, 128, 64, 64, 64):
+                ids = torch.randint(0, 256, (4, seq + 1), generator=torch.Generator().manual_seed(seq))
+                b.loss((ids[:, :-1], ids[:, 1:])).backward()
+                opt.zero_grad(set_to_none=True)
+        assert am.profiles_run == 2, [r.decision for r in am.history]
+        assert am.history[2].kind == "warmup" or am.history[3].kind == "warmup"
+
+
+def _args(flags: list[str]) -> argparse.Namespace:
+    return adaptive_mem.add_arguments(argparse.ArgumentParser()).parse_args(flags)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--adaptive-memory-optimization", "--recompute-granularity", "full", "--recompute-method", "uniform"],
+     "--recompute-granularity full: incompatible"),
+    (["--adaptive-memory-optimization", "--memory-plan", "plan.yaml"], "--memory-plan plan.yaml: incompatible"),
+    (["--memory-budget", "1GiB"], "without --adaptive-memory-optimization"),
+])
+def test_flag_incompatibilities_are_errors_before_anything_is_applied(flags, match):
+    b = bundle()
+    with pytest.raises(ValueError, match=match):
+        apply_arguments(b.model, _args(flags))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in b.model.modules())
+
+
+def test_single_flag_applies_the_adaptive_loop(tmp_path):
+    args = _args(["--adaptive-memory-optimization", "--memory-budget", "9MB", "--memory-plan-cache", str(tmp_path)])
+    b = bundle()
+    handle = apply_arguments(b.model, args)
+    try:
+        assert isinstance(handle, adaptive_mem.AdaptiveMemory)
+        assert handle.budget == 9_000_000 and handle.cache.directory == tmp_path
+    finally:
+        handle.remove()
+    assert apply_arguments(b.model, _args([])) is None
+
+
+def test_optimize_with_a_budget_is_the_adaptive_loop_and_excludes_a_manual_plan():
+    b = bundle()
+    with adaptive_mem.optimize(b.model, budget="9MB", cache=False) as handle:
+        assert isinstance(handle, adaptive_mem.AdaptiveMemory) and handle.budget == 9_000_000
+        with pytest.raises(ValueError, match="already applied"):
+            adaptive_optimize(b.model, budget=9_000_000)
+    with pytest.raises(ValueError, match="budget= without plan="):
+        adaptive_mem.optimize(b.model, budget="9MB", plan={"format": "adaptive-mem-plan", "version": 1})
+    manual = {"format": "adaptive-mem-plan", "version": 1, "decisions": {"layers.1": "recompute"}}
+    with adaptive_mem.optimize(b.model, plan=manual):
+        with pytest.raises(ValueError, match="already has a plan applied"):
+            adaptive_optimize(b.model, budget=9_000_000)

@@ -1,0 +1,72 @@
+"""``adaptive-mem bench`` end to end on llama-tiny (each policy in its own process), and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from adaptive_mem._bench import load_results, render_report
+from adaptive_mem._cli import main
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    code = main(["bench", "--model", "llama-tiny", "--budgets", "0.9", "--policies", "none,ours-milp,hf-gc",
+                 "--out", str(out), "--steps", "5"])
+    assert code == 0
+    return out
+
+
+def test_bench_measures_each_policy_in_its_own_run(bench_dir):
+    results = load_results(bench_dir / "results.json")
+    runs = {r["policy"]: r for r in results["runs"]}
+    assert set(runs) == {"none", "ours-milp", "hf-gc"}
+    assert runs["hf-gc"]["status"] == "skipped"  # not a Hugging Face model
+    none, ours = runs["none"], runs["ours-milp"]
+    assert none["status"] == ours["status"] == "ok"
+    assert none["budget"] is None and ours["budget"] == 0.9
+    for r in (none, ours):
+        assert len(r["repeats"][0]["step_times"]) == 5
+        assert r["median_step_time"] == sorted(r["repeats"][0]["step_times"])[2]
+        assert r["tokens_per_s"] == pytest.approx(2 * 32 / r["median_step_time"])
+        # peak: parameters + Adam state + activations, measured by the tracker, at least the static memory
+        assert r["peak_bytes"] > results["model"]["static_bytes"] - results["model"]["static_bytes"] // 4
+        assert r["timeline_measured"] and max(b for _, b in r["timeline_measured"]) == r["peak_bytes"]
+        assert r["predicted_peak_bytes"] == pytest.approx(r["peak_bytes"], rel=0.25)
+    # same model, weights and first batch in both processes: the same first loss, bit for bit
+    assert none["repeats"][0]["first_loss"] == ours["repeats"][0]["first_loss"]
+    assert (bench_dir / "plans" / "ours-milp-0.9.yaml").exists() and (bench_dir / "profile.json").exists()
+
+
+def test_report_is_regenerated_identically_from_results_json(bench_dir):
+    results = load_results(bench_dir / "results.json")
+    assert (bench_dir / "report.md").read_text() == render_report(results)
+    text = (bench_dir / "report.md").read_text()
+    assert "| ours-milp | 0.9 | ok |" in text and "![pareto](pareto.png)" in text
+
+
+def test_bench_writes_the_figures_it_names(bench_dir):
+    import matplotlib.image
+
+    results = json.loads((bench_dir / "results.json").read_text())
+    assert set(results["figures"]) == {"pareto", "plan_layers", "timeline"}
+    for name in results["figures"].values():
+        image = matplotlib.image.imread(bench_dir / name)
+        assert image.shape[0] > 300 and image[..., :3].std() > 0.05
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budgets", "0.5,2"], "--budgets item '2': expected fractions in (0, 1]"),
+    (["--budgets", "half"], "--budgets item 'half': expected fractions in (0, 1]"),
+    (["--policies", "none,magic"], "--policies: 'magic' is not a policy"),
+    (["--steps", "3"], "--steps=3: expected an integer >= 5"),
+    (["--simulate-only"], "--simulate-only: expected --simulate HARDWARE too"),
+    (["--simulate", "tpu9"], "hardware='tpu9': unknown"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    assert main(["bench", "--model", "llama-tiny", "--out", str(tmp_path / "o"), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()  # nothing half-done

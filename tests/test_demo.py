@@ -1,0 +1,26 @@
+"""``adaptive-mem demo``: the README's main job, end to end (llama-tiny here; llama-small is the benchmark)."""
+
+from __future__ import annotations
+
+from adaptive_mem._bench import load_results, render_report
+from adaptive_mem._cli import main
+
+
+def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--model", "llama-tiny", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    results = load_results(out / "results.json")
+    runs = {r["policy"]: r for r in results["runs"]}
+    assert set(runs) == {"none", "full", "ours-milp"} and all(r["status"] == "ok" for r in runs.values())
+    ours, none, full = runs["ours-milp"], runs["none"], runs["full"]
+    # the budget forces a trade-off: below keeping everything, above full recompute (predicted)
+    assert full["predicted_peak_bytes"] < ours["budget_bytes"] < none["predicted_peak_bytes"]
+    assert ours["predicted_peak_bytes"] <= ours["budget_bytes"]
+    saved = 1 - ours["peak_bytes"] / none["peak_bytes"]
+    assert f"memory saved: peak {ours['peak_bytes'] / 2**20:.1f} MiB vs {none['peak_bytes'] / 2**20:.1f} MiB" in text
+    assert f"({saved:.1%} less)" in text
+    assert f"time vs full recompute: {ours['median_step_time']:.3f} s vs {full['median_step_time']:.3f} s" in text
+    assert "predicted vs measured: peak" in text
+    assert (out / "report.md").read_text() == render_report(results)
+    assert (out / "pareto.png").exists() and (out / "profile.json").exists()

@@ -1,0 +1,145 @@
+"""The allocator hook: the accounted CPU path, catch-and-retry at the op, and fault injection."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+
+from adaptive_mem import DeviceMemory, RetryOnOom, SwapManager, optimize
+from adaptive_mem._oom import AccountedHook, make_hook, shortfall_of
+from search import Plan
+
+from _adaptive_common import assert_grads, bundle, reference
+
+TINY = dict(batch_size=2, seq_len=32)
+
+
+def test_shortfall_is_read_from_both_allocators_messages():
+    assert shortfall_of(torch.OutOfMemoryError("device memory cap exceeded: aten.mm.default needs 360448 bytes "
+                                               "with 10 live of cap 20")) == 360448
+    cuda = "CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity of 79.15 GiB"
+    assert shortfall_of(torch.OutOfMemoryError(cuda)) == 20 << 20
+    assert shortfall_of(torch.OutOfMemoryError("out of memory")) is None
+
+
+def test_catch_and_retry_at_the_op_path():
+    """The path for accelerators without the pluggable allocator, driven here by DeviceMemory without hooks."""
+    grads, peak = reference(1)
+    budget = int(0.6 * peak)
+    b = bundle()
+    with DeviceMemory(cap=budget, track_existing=False) as mem:
+        mem.track(b.model)
+        with pytest.raises(torch.OutOfMemoryError):
+            b.loss(b.batch(seed=0)).backward()  # no rescue: the cap wins
+    b = bundle()
+    manager = SwapManager(b.model)
+    manager.attach()
+    retry = RetryOnOom(manager.rescue)
+    try:
+        with DeviceMemory(cap=budget, track_existing=False) as mem:
+            mem.track(b.model)
+            with retry:  # entered inside DeviceMemory: the op's failure passes through it
+                b.loss(b.batch(seed=0)).backward()
+            assert mem.peak <= budget
+        assert retry.retries > 0 and manager.stats.rescues > 0
+        assert_grads(b.model, grads[0], 0)
+    finally:
+        manager.close()
+
+
+def test_make_hook_picks_the_device_path(caplog):
+    assert isinstance(make_hook(lambda n: False, torch.device("cpu")), AccountedHook)
+    caplog.set_level(logging.WARNING)
+    hook = make_hook(lambda n: False, torch.device("cuda"), pluggable=True)  # no CUDA here: falls back
+    assert hook.name == "retry"
+    assert "pluggable allocator unavailable" in caplog.text
+
+
+class _FaultyMemory(DeviceMemory):
+    """Fails allocation number ``fail_at`` of the step once: the hooks must make room, then it succeeds
+    (a transient allocator failure, as when another stream frees later)."""
+
+    def __init__(self, *, fail_at: int, needed: int) -> None:
+        super().__init__(track_existing=False)
+        self.fail_at = fail_at
+        self.needed = needed
+        self.allocations = 0
+        self.faults = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        before = self.allocations
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if before < self.fail_at <= self.allocations:
+            self.faults += 1
+            for hook in self.on_oom:
+                hook(self.needed)
+        return out
+
+    def _register(self, t: torch.Tensor) -> int:
+        added = super()._register(t)
+        if added:
+            self.allocations += 1
+        return added
+
+
+_PLAN = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {
+    "layers.1": {"action": "swap", "backward_prefetch": 1}, "layers.2": "recompute",
+    "layers.3.attention.flash_attention": {"action": "swap", "backward_prefetch": 0}}})
+
+
+def test_fault_injection_hundred_seeded_trials_all_exact():
+    b = bundle(**TINY)
+    grads = _grads_at_init(b, 4)
+    counter = _FaultyMemory(fail_at=1 << 62, needed=0)
+    with counter:
+        b.loss(b.batch(seed=0)).backward()  # the first step allocates a few one-time things: not counted
+        b.model.zero_grad(set_to_none=True)
+        counter.allocations = 0
+        b.loss(b.batch(seed=0)).backward()
+    counter_allocations = int(0.95 * counter.allocations)
+    assert counter_allocations > 100
+    b.model.zero_grad(set_to_none=True)
+    plain = _trials(b, grads, range(0, 50), counter_allocations, plan=None)
+    with_plan = _trials(b, grads, range(50, 100), counter_allocations, plan=_PLAN)
+    rescued = plain + with_plan
+    assert rescued >= 60, f"only {rescued} of 100 injected faults found something to swap"
+
+
+def _trials(b, grads, trials, allocations: int, *, plan: Plan | None) -> int:
+    handle = optimize(b.model, plan=plan) if plan is not None else None
+    manager = SwapManager(b.model)
+    manager.attach()  # after the plan: innermost
+    rescued = 0
+    try:
+        for trial in trials:
+            rng = random.Random(trial)
+            mem = _FaultyMemory(fail_at=rng.randrange(1, allocations), needed=rng.randrange(1, 1 << 20))
+            hook = AccountedHook(manager.rescue)
+            before = manager.stats.rescues
+            with mem:
+                mem.track(b.model)
+                mem.allocations = 0  # count the step's allocations only
+                hook.begin_step()
+                b.loss(b.batch(seed=trial % 4)).backward()
+            hook.remove()
+            assert mem.faults == 1, f"trial {trial}: the fault did not fire"
+            assert_grads(b.model, grads[trial % 4], trial)
+            rescued += manager.stats.rescues > before
+            b.model.zero_grad(set_to_none=True)
+    finally:
+        manager.close()
+        if handle is not None:
+            handle.remove()
+    return rescued
+
+
+def _grads_at_init(b, seeds: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for seed in range(seeds):
+        b.loss(b.batch(seed=seed)).backward()
+        out.append({n: p.grad.clone() for n, p in b.model.named_parameters()})
+        b.model.zero_grad(set_to_none=True)
+    return out

@@ -1,0 +1,125 @@
+"""SwapEngine on its own: storage-level copies, prefetch triggers, the known offloader failure modes."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import torch
+
+from adaptive_mem import DeviceMemory
+from adaptive_mem._swap_engine import SwapEngine
+
+
+def _engine(num_layers: int = 4, **kw) -> SwapEngine:
+    return SwapEngine(device="cpu", num_layers=num_layers, **kw)
+
+
+def _gate(engine: SwapEngine) -> threading.Event:
+    gate = threading.Event()
+    engine.copier.submit(lambda non_blocking: gate.wait())
+    return gate
+
+
+def test_view_round_trip_is_exact_and_copies_the_storage_once():
+    engine = _engine()
+    base = torch.randn(6, 8)
+    expected = base.clone()
+    view_a, view_b = base.t(), base[2:4, 1:5]
+    engine.begin_forward()
+    pa = engine.offload(view_a, label="a", layer=0, prefetch=0)
+    pb = engine.offload(view_b, label="a", layer=0, prefetch=0)
+    pa2 = engine.offload(view_a, label="a", layer=0, prefetch=0)  # the same tensor saved twice
+    assert engine.stats.offloaded_bytes == base.untyped_storage().nbytes()
+    del base, view_a, view_b
+    out_a, out_b, out_a2 = pa.unpack(), pb.unpack(), pa2.unpack()
+    assert torch.equal(out_a, expected.t()) and out_a.stride() == expected.t().stride()
+    assert torch.equal(out_b, expected[2:4, 1:5]) and torch.equal(out_a2, expected.t())
+    assert engine.stats.reloaded_bytes == expected.untyped_storage().nbytes()
+    engine.close()
+
+
+def test_reload_never_races_its_own_offload():
+    engine = _engine()
+    gate = _gate(engine)  # the offload copy below cannot start yet
+    t = torch.arange(1000, dtype=torch.float32)
+    packed = engine.offload(t, label="x", layer=0, prefetch=0)
+    threading.Timer(0.2, gate.set).start()
+    out = packed.unpack()  # on-demand reload queued behind the offload: waits, then exact
+    assert torch.equal(out, torch.arange(1000, dtype=torch.float32))
+    assert engine.stats.late_reloads == 1
+    engine.close()
+
+
+def test_prefetch_trigger_issues_reload_before_unpack():
+    engine = _engine(num_layers=4)
+    engine.begin_forward()
+    packed = {layer: engine.offload(torch.full((100,), float(layer)), label=f"l{layer}", layer=layer, prefetch=2)
+              for layer in range(4)}
+    engine.end_forward()
+    engine.on_backward(4)  # backward begins: layers 2, 3 (2 + 2 >= 4) are due
+    assert engine.stats.reloaded_bytes == 2 * 400
+    engine.on_backward(3)  # layer 1's trigger
+    assert engine.stats.reloaded_bytes == 3 * 400
+    engine.on_backward(2)  # layer 0's trigger
+    assert engine.stats.reloaded_bytes == 4 * 400
+    for layer in reversed(range(4)):
+        assert torch.equal(packed[layer].unpack(), torch.full((100,), float(layer)))
+    assert engine.stats.on_demand_reloads == 0
+
+
+def test_skipped_trigger_still_reloads_in_time():
+    engine = _engine(num_layers=4)
+    early = engine.offload(torch.ones(10), label="a", layer=0, prefetch=1)  # trigger: layer 1
+    engine.on_backward(0)  # layer 1's trigger never fired (its output had no grad): issued now
+    assert engine.stats.reloaded_bytes == 40 and engine.stats.on_demand_reloads == 0
+    assert torch.equal(early.unpack(), torch.ones(10))
+    engine.close()
+    engine.close()
+
+
+def test_dropped_record_releases_device_memory_and_host_buffer_at_once():
+    """Note: [cancelled offload]: a handle that dies before its copy ran leaves nothing behind."""
+    engine = _engine()
+    with DeviceMemory(track_existing=False) as mem:
+        gate = _gate(engine)
+        t = torch.empty(10_000, dtype=torch.uint8)
+        packed = engine.offload(t, label="x", layer=0, prefetch=1)
+        del t
+        assert mem.live == 10_000  # held for the queued copy
+        del packed
+        gc.collect()
+        assert mem.live == 0
+        assert engine.pool.in_use_bytes == 0
+        gate.set()
+    engine.close()
+
+
+def test_host_pool_is_reused_across_steps():
+    engine = _engine()
+    sizes = []
+    for step in range(5):
+        engine.begin_forward()
+        packs = [engine.offload(torch.randn(64 * (i + 1)), label="x", layer=i, prefetch=1) for i in range(4)]
+        engine.end_forward()
+        for layer in (4, 3, 2, 1, 0):
+            engine.on_backward(layer)
+        for p in reversed(packs):
+            p.unpack()
+        del packs
+        sizes.append(engine.host_bytes)
+        assert engine.pool.in_use_bytes == 0
+    assert len(set(sizes)) == 1 and sizes[0] == sum(64 * (i + 1) * 4 for i in range(4))
+    engine.close()
+
+
+def test_file_store_round_trip(tmp_path):
+    engine = _engine(host_store="file", host_dir=str(tmp_path))
+    t = torch.randn(3, 5, dtype=torch.float64)
+    expected = t.clone()
+    packed = engine.offload(t, label="x", layer=0, prefetch=0)
+    del t
+    assert torch.equal(packed.unpack(), expected)
+    path = engine.pool.path
+    engine.close()
+    assert not (tmp_path / path).exists()
