@@ -72,6 +72,7 @@ class AdaptiveMemory:
         self.manager = SwapManager(model, device=self.device)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
         self.manager.headroom = self._headroom
+        self.manager.copiers = self._plan_copiers
         self.hook.exhausted = self._exhausted
         if hasattr(self.hook, "mode"):
             self.hook.mode.exhausted = self._exhausted
@@ -329,6 +330,11 @@ class AdaptiveMemory:
                          if isinstance(t, torch.Tensor) and t.is_floating_point())
             return first.sum()
         return loss
+
+    def _plan_copiers(self) -> list[Any]:
+        executor = getattr(self._handle, "_executor", None)
+        engine = getattr(executor, "engine", None)
+        return [engine.copier] if engine is not None else []
 
     def _headroom(self) -> int | None:
         room = self.hook.headroom()

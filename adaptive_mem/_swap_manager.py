@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from profiler._units import find_layers
 
 from ._accounting import host_allocations
+from ._copier import ThreadCopier
 from ._swap_engine import Packed, SwapEngine
 
 __all__ = ["SwapManager", "SwapState", "ManagerStats", "SwapExhaustedError"]
@@ -137,6 +138,8 @@ class SwapManager:
         self._h2d = 0.0
         self.headroom: Callable[[], int | None] = lambda: None
         """Free device bytes now, or None when unknown (then nothing is prefetched: reloads happen at use)."""
+        self.copiers: Callable[[], list[Any]] = lambda: []
+        """Copiers of other swap engines (the applied plan's) whose in-flight offloads a rescue may wait for."""
         self.prefetch_reserve = 0
         """Bytes of headroom a prefetch must leave for backward's own allocations."""
         if profile is not None:
@@ -358,6 +361,8 @@ class SwapManager:
                     break
                 if self._swap_out(group) if group.record is None else self._evict(group):
                     freed += group.nbytes
+        if freed < needed and self._drain():
+            freed = max(freed, 1)  # copies in flight landed and released their device bytes: the caller re-checks
         if freed:
             self.stats.rescues += 1
             self.stats.swapped_out_bytes += freed
@@ -365,6 +370,21 @@ class SwapManager:
         if freed < needed:
             self.stats.failed_rescues += 1
         return freed > 0
+
+    def _drain(self) -> bool:
+        """Wait for offload copies still in flight (the applied plan's swaps): their device bytes are released
+        when they land. Bounded wait: a copy blocked behind the allocation that asked (a reload holding its
+        record's lock) must not hang the step."""
+        drained = False
+        for copier in self.copiers():
+            marker = copier.submit(lambda non_blocking: None)  # copies run in issue order: behind all of them
+            if isinstance(copier, ThreadCopier):
+                drained |= marker.landed.wait(timeout=2.0)
+            else:
+                copier.stream.synchronize()
+                copier.reap()
+                drained = True
+        return drained
 
     def _swap_out(self, group: _Group) -> bool:
         slots = [s for s in group.live_slots() if s.tensor is not None]

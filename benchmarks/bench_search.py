@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=3, help="solves per 70b budget (median)")
     parser.add_argument("--only-70b", action="store_true", help="skip the llama2-7b comparison")
     parser.add_argument("--only-7b", action="store_true", help="skip the llama2-70b solve times")
-    parser.add_argument("--gradients", default="auto", choices=["auto", "per-step", "persistent"],
+    parser.add_argument("--gradients", default="per-step", choices=["per-step", "persistent"],
                         help="gradient residency (StepModel.build); auto = persistent for fake-tensor profiles")
     parser.add_argument("--profiles", default=None, help="directory to cache the fake-tensor profiles in")
     args = parser.parse_args(argv)

@@ -103,17 +103,17 @@ class StepModel:
 
     @classmethod
     def build(cls, profile: Profile, *, hardware: HardwareSpec | None = None,
-              outside: frozenset[str] = frozenset(), gradients: str = "auto") -> "StepModel":
+              outside: frozenset[str] = frozenset(), gradients: str = "per-step") -> "StepModel":
         """``outside``: unit names that exist on another pipeline stage (their inputs stay pinned).
 
-        ``gradients``: ``per-step`` (set to None between steps, allocated during backward, as
-        ``optimizer.zero_grad()`` and ``adaptive-mem run`` do), ``persistent`` (resident gradient
-        buffers, as Megatron / MindSpeed keep), or ``auto``: per-step for a measured profile (it was
-        measured that way), persistent for an estimated one (planning a production setup).
+        ``gradients``: ``per-step`` (the default: set to None between steps and allocated during
+        backward, as PyTorch's ``optimizer.zero_grad()`` and ``adaptive-mem run`` do; measured
+        profiles are measured that way) or ``persistent`` (resident gradient buffers, as Megatron /
+        MindSpeed keep them).
         """
-        if gradients not in ("auto", "per-step", "persistent"):
-            raise ValueError(f"gradients={gradients!r}: expected auto, per-step or persistent")
-        per_step = profile.measured if gradients == "auto" else gradients == "per-step"
+        if gradients not in ("per-step", "persistent"):
+            raise ValueError(f"gradients={gradients!r}: expected per-step or persistent")
+        per_step = gradients == "per-step"
         hw = hardware or profile.hardware
         if hw.h2d_bandwidth <= 0 or hw.d2h_bandwidth <= 0:
             raise ProfileError(f"hardware {hw.name!r}: h2d/d2h bandwidth must be > 0")

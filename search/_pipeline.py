@@ -60,7 +60,7 @@ def split_stages(profile: Profile, *, stages: int, micro_batches: int,
                          optimizer_state=int(st.optimizer_state * share))
         saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if s == 0 else 0)
         boundary = whole.boundary if s == stages - 1 else 0
-        resident = static.total - (static.gradients if profile.measured else 0)  # as StepModel.build's "auto"
+        resident = static.total - static.gradients  # per-step gradients, StepModel.build's default
         sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if s == 0 else 0,
                       peak_memory=resident + saved + boundary,
                       step_time=sum(u.fwd_time + u.bwd_time for u in keep))

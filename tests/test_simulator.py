@@ -16,10 +16,11 @@ ms = 1e-3
 STATIC = 100 * MiB
 
 
-def two_layers(**kw) -> StepModel:
+def two_layers(*, gradients_mode: str = "per-step", **kw) -> StepModel:
     # chain: layers.0.a -> layers.0.b -> layers.1.a -> layers.1.b  (layers.0.b is the layer-0 output)
     layer = [SyntheticUnit("a", 4 * MiB, 1 * ms, 2 * ms), SyntheticUnit("b", 2 * MiB, 1 * ms, 2 * ms)]
-    return StepModel.build(synthetic_profile(layers=[layer, layer], static=STATIC, bandwidth=1000 * MiB, **kw))
+    return StepModel.build(synthetic_profile(layers=[layer, layer], static=STATIC, bandwidth=1000 * MiB, **kw),
+                           gradients=gradients_mode)
 
 
 def plan(**decisions) -> Plan:
@@ -35,15 +36,17 @@ def test_keep_everything():
 
 
 def test_persistent_gradients_are_static_memory():
-    # an estimated (fake-tensor) profile plans for resident gradient buffers
-    model = two_layers(gradients=6 * MiB)
+    # gradients="persistent": resident gradient buffers, as Megatron / MindSpeed keep them
+    model = two_layers(gradients=6 * MiB, gradients_mode="persistent")
     assert sum(model.grads) == 0
     assert simulate(model, Plan()).peak_bytes == STATIC + 6 * MiB + 12 * MiB
 
 
 def test_gradients_appear_during_backward():
-    # a measured profile: gradients set to None between steps; 6 MiB, 3 per layer (no FLOPs in the
-    # profile: split evenly), allocated in each layer's backward
+    # the default: gradients set to None between steps; 6 MiB, 3 per layer (no FLOPs in the
+    # profile: split evenly), allocated in each layer's backward, measured or estimated profile alike
+    for measured in (True, False):
+        assert two_layers(gradients=6 * MiB, measured=measured).grads == [0, 3 * MiB, 3 * MiB, 0]
     model = two_layers(gradients=6 * MiB, measured=True)
     assert model.grads[1:3] == [3 * MiB, 3 * MiB]
     keep = simulate(model, Plan(), record=True)
