@@ -94,7 +94,6 @@ class AdaptiveMemory:
         self._cache_key: str | None = None
         self._cache_fields: dict[str, Any] = {}
         self._pending: Plan | None | bool = False  # False: no change; None: remove the plan
-        self._pending_kind = "adapt"
         self._needs_profile = False
         self._busy = 0
         self._in_step = False

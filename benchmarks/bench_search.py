@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only-70b", action="store_true", help="skip the llama2-7b comparison")
     parser.add_argument("--only-7b", action="store_true", help="skip the llama2-70b solve times")
     parser.add_argument("--gradients", default="per-step", choices=["per-step", "persistent"],
-                        help="gradient residency (StepModel.build); auto = persistent for fake-tensor profiles")
+                        help="gradient residency (StepModel.build): per-step (the default) or persistent")
     parser.add_argument("--profiles", default=None, help="directory to cache the fake-tensor profiles in")
     args = parser.parse_args(argv)
     directory = Path(args.profiles or tempfile.mkdtemp(prefix="bench-search-"))

@@ -8,6 +8,10 @@ simulated cost differs from the program's is cut off (no-good cut) and the progr
 until the best simulated plan is within ``rel_gap`` of the program's bound. So the result is the
 simulator's optimum over the menu space, with a proven bound and gap.
 
+Repeated layers (heuristic menus, the layers between the first and the last alike) go to the
+counts program first (``_counts.py``: option counts instead of per-layer binaries, a bound valid
+for every order of the layers); this per-layer program decides only when that finds no plan.
+
 Units: MiB for bytes, milliseconds for time (keeps HiGHS' tolerances meaningful).
 """
 
@@ -21,6 +25,7 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_matrix
 
+from ._counts import identical_layers, solve_counts
 from ._menu import Option, exact_menus, layer_menu
 from ._plan import Action
 from ._simulator import Assignment, simulate_assignment
@@ -327,7 +332,8 @@ class MilpSolver(Solver):
 
     def __init__(self, *, prefetch: tuple[int, ...] = (0, 1, 2), menu_limit: int = 40, rel_gap: float | None = None,
                  time_limit: float = 30.0, max_rounds: int = 200, polish_time: float = 1.0,
-                 large_rounds: int = 6, round_time: float = 1.5) -> None:
+                 large_rounds: int = 6, round_time: float = 1.5, counts: bool = True,
+                 counts_time: float = 1.6, counts_gap: float = 0.01) -> None:
         self.prefetch = tuple(prefetch)
         self.menu_limit = menu_limit
         self.rel_gap = rel_gap
@@ -336,14 +342,22 @@ class MilpSolver(Solver):
         self.polish_time = polish_time
         self.large_rounds = large_rounds
         self.round_time = round_time
+        self.counts = counts
+        self.counts_time = counts_time
+        self.counts_gap = counts_gap  # above it, the per-layer program goes on from the counts plan and bound
 
     def choose(self, problem: Problem) -> tuple[Assignment, dict]:
         start = time.perf_counter()
         model = problem.model
-        prog = _build(problem, self.prefetch, self.menu_limit)
-        layers = list(model.layer_positions)
         exact = exact_menus(model, self.prefetch)
         rel_gap = self.rel_gap if self.rel_gap is not None else (1e-7 if exact else 2e-3)
+        counted = None
+        if not exact and self.counts:
+            counted = self._counts(problem, rel_gap, start)
+            if counted is not None and counted[1]["extra"]["gap"] <= self.counts_gap:
+                return counted[0], counted[1]
+        prog = _build(problem, self.prefetch, self.menu_limit)
+        layers = list(model.layer_positions)
         build_time = time.perf_counter() - start
         ub = np.where(prog.integrality == 1, 1.0, np.inf)
         lp_bound = -np.inf
@@ -361,6 +375,8 @@ class MilpSolver(Solver):
                 z = res.x[prog.zcol[p]:prog.zcol[p] + len(prog.menus[p])]
                 ub[prog.zcol[p]:prog.zcol[p] + len(z)] = (z > 1e-7).astype(float)
         seeds = _seeds(problem) if mode == "lp-support" else []
+        if counted is not None:  # the counts program's plan competes; its bound holds for this menu space too
+            seeds.append((simulate_assignment(model, counted[0], in_flight=problem.in_flight).step_time, counted[0]))
         for _, asg in seeds:  # baseline plans join the support where the menus hold them
             for p in layers:
                 key = tuple(asg.actions[i] for i in model.positions[p])
@@ -396,11 +412,40 @@ class MilpSolver(Solver):
                     if sim.peak_bytes <= problem.budget and sim.step_time < best[0]:
                         best = (sim.step_time, asg)
                 mode = "lp-support+polish"
+        if counted is not None:
+            bound = max(bound, counted[2]) if np.isfinite(bound) else counted[2]
+            mode += "+counts"
         lower = min(best[0], bound) if np.isfinite(bound) else best[0]
         return best[1], {"lower_bound": lower, "iterations": rounds,
                          "extra": {"status": status, "mode": mode, "build_time": round(build_time, 3),
                                    "rel_gap": rel_gap, "menu_sizes": sorted({len(m) for m in prog.menus.values()}),
                                    "rows": dict(prog.rows.groups)}}
+
+    def _counts(self, problem: Problem, rel_gap: float, start: float) -> tuple[Assignment, dict, float] | None:
+        """Repeated layers: the counts program (``_counts.py``) -> (plan, stats, bound); None when it does
+        not apply or finds no plan."""
+        model = problem.model
+        cache: dict = {}
+        menus = {p: layer_menu(model, p, prefetch=self.prefetch, limit=self.menu_limit, cache=cache, exact=False)
+                 for p in model.layer_positions}
+        if not identical_layers(model, menus):
+            return None
+        seeds = _seeds(problem, cheap=True)
+        incumbent = min(seeds, key=lambda sd: sd[0]) if seeds else None
+        layers = list(model.layer_positions)
+        menu = menus[layers[1]]
+        out = solve_counts(problem, (menu, menus[layers[-1]], menus[layers[0]]), rel_gap=rel_gap, incumbent=incumbent,
+                           time_limit=max(0.1, self.counts_time - (time.perf_counter() - start)))
+        if out.bound == np.inf:
+            raise InfeasibleBudgetError(f"milp: no plan in its space fits the budget {fmt_bytes(problem.budget)}")
+        if out.best is None:
+            return None  # the relaxation admits plans the simulator rejects: the per-layer program decides
+        lower = min(out.best[0], out.bound)
+        gap = (out.best[0] - lower) / out.best[0]
+        return out.best[1], {"lower_bound": lower, "iterations": out.rounds,
+                             "extra": {"status": "optimal" if out.best[0] <= out.bound * (1 + rel_gap) else "gap",
+                                       "mode": "lp-support+counts", "rel_gap": rel_gap, "menu_sizes": [len(menu)],
+                                       "gap": gap, "build_time": round(time.perf_counter() - start, 3)}}, out.bound
 
     def _rounds(self, problem: Problem, prog: _Program, ub: np.ndarray, rel_gap: float, start: float,
                 lp_bound: float, incumbent: tuple[float, Assignment] | None = None,
@@ -461,11 +506,13 @@ class MilpSolver(Solver):
         return best, bound, rounds, status
 
 
-def _seeds(problem: Problem) -> list[tuple[float, Assignment]]:
-    """Feasible plans of the cheap baselines, simulated: incumbents for the repeated-layer path."""
+def _seeds(problem: Problem, *, cheap: bool = False) -> list[tuple[float, Assignment]]:
+    """Feasible plans of the cheap baselines, simulated: incumbents for the repeated-layer path
+    (``cheap``: only those that take one simulation each)."""
     from ._baselines import FullRecompute, GreedyKnapsack, MegatronBlock, NoneBaseline, SwapOnly
     out = []
-    for cls in (NoneBaseline, GreedyKnapsack, SwapOnly, MegatronBlock, FullRecompute):
+    for cls in (NoneBaseline, FullRecompute) if cheap else (NoneBaseline, GreedyKnapsack, SwapOnly, MegatronBlock,
+                                                            FullRecompute):
         asg, _ = cls().choose(problem)
         sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
         if sim.peak_bytes <= problem.budget:

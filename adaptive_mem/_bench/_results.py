@@ -77,7 +77,7 @@ def merge_repeats(row: dict[str, Any], measured: list[dict[str, Any]], tokens: i
         "median_step_time": median,
         "tokens_per_s": tokens / median,
         "repeats": [{k: m[k] for k in ("peak_bytes", "median_step_time", "step_times", "warmup_steps",
-                                       "first_loss", "last_loss")} for m in ok],
+                                       "warmup_times", "first_loss", "last_loss") if k in m} for m in ok],
         "timeline_measured": last["timeline_measured"],
         "info": last.get("info", {}),
     }
