@@ -22,7 +22,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DeviceMemory", "host_allocations", "current_accounting"]
+__all__ = ["DeviceMemory", "host_allocations", "current_accounting", "mark_host"]
 
 _local = threading.local()
 _active: list["DeviceMemory"] = []
@@ -41,6 +41,35 @@ def host_allocations() -> Iterator[None]:
 
 def _in_host_block() -> bool:
     return getattr(_local, "host", 0) > 0
+
+
+_host_storages: dict[int, weakref.ref] = {}
+
+
+def mark_host(t: torch.Tensor) -> torch.Tensor:
+    """Record ``t``'s storage as host-side (a swap-store buffer): never device memory, even when a
+    :class:`DeviceMemory` entered later finds it in its scan of existing tensors."""
+    st = t.untyped_storage()
+    key = st._cdata
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        if _host_storages.get(key) is ref:
+            del _host_storages[key]
+
+    _host_storages[key] = weakref.ref(st, forget)
+    return t
+
+
+def _is_host_storage(st: torch.UntypedStorage) -> bool:
+    ref = _host_storages.get(st._cdata)
+    return ref is not None and ref() is st
+
+
+def _is_tensor(obj: Any) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a weakref.proxy whose referent died
+        return False
 
 
 def current_accounting() -> "DeviceMemory | None":
@@ -101,7 +130,7 @@ class DeviceMemory(TorchDispatchMode):
             gc.collect()  # unreachable tensors would otherwise count until the collector frees them mid-step
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # isinstance() wakes deprecated lazy module attributes
-                self.track([o for o in gc.get_objects() if isinstance(o, torch.Tensor)])
+                self.track([o for o in gc.get_objects() if _is_tensor(o)])
         self.peak = max(self.peak, self.live)
         _active.append(self)
         return super().__enter__()
@@ -127,6 +156,8 @@ class DeviceMemory(TorchDispatchMode):
         if t.device != self.device or _is_fake(t) or t.is_sparse:
             return 0
         st = t.untyped_storage()
+        if _is_host_storage(st):
+            return 0
         key = st._cdata
         nbytes = st.nbytes()
         with self._lock:

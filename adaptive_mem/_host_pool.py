@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ._accounting import host_allocations
+from ._accounting import host_allocations, mark_host
 
 __all__ = ["HostBuffer", "HostPool", "MemoryHostPool", "FileHostPool"]
 
@@ -84,7 +84,7 @@ class MemoryHostPool(HostPool):
 
     def _create(self, nbytes: int) -> HostBuffer:
         with host_allocations():
-            return HostBuffer(nbytes, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin))
+            return HostBuffer(nbytes, mark_host(torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)))
 
     def write(self, buf: HostBuffer, src: torch.Tensor, *, non_blocking: bool) -> None:
         buf.tensor.copy_(src, non_blocking=non_blocking)

@@ -8,6 +8,8 @@ import profiler
 from profiler import HardwareSpec, Profile
 from search import Stage, StepModel, split_stages
 
+from ._cmd_profile import positive_int as positive
+
 HARDWARE_NAMES = (*profiler.HARDWARE, "cpu")
 
 
@@ -23,16 +25,6 @@ def load(args: argparse.Namespace) -> tuple[Profile, HardwareSpec | None]:
     if args.hardware is not None:
         hardware = profiler.hardware_spec(args.hardware)
     return Profile.load(args.profile), hardware
-
-
-def positive(flag: str, value: str | int) -> int:
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag}={value!r}: expected a positive integer") from None
-    if number <= 0:
-        raise ValueError(f"{flag}={value!r}: expected a positive integer")
-    return number
 
 
 def stages_of(profile: Profile, hardware: HardwareSpec | None, stages: int, micro_batches: int) -> list[Stage]:

@@ -160,6 +160,10 @@ def _details(results: dict[str, Any]) -> list[str]:
         text = _detail(r)
         if text:
             lines.append(f"- `{r['policy']}` at budget {_budget(r['budget'])}: {text}")
+        if r.get("failed_repeats"):
+            lines.append(f"- `{r['policy']}` at budget {_budget(r['budget'])}: {len(r['failed_repeats'])} of "
+                         f"{len(r['failed_repeats']) + len(r.get('repeats', []))} processes failed "
+                         f"({r['failed_repeats'][0]}); the row holds the others")
     return ["", "## Run details", ""] + lines if lines else []
 
 

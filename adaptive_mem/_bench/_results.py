@@ -73,6 +73,7 @@ def merge_repeats(row: dict[str, Any], measured: list[dict[str, Any]], tokens: i
     return {
         **row,
         "status": "ok",
+        "failed_repeats": [m.get("error", "no result") for m in measured if m.get("status") != "ok"],
         "peak_bytes": int(statistics.median(m["peak_bytes"] for m in ok)),
         "median_step_time": median,
         "tokens_per_s": tokens / median,
