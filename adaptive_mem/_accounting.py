@@ -155,7 +155,10 @@ class DeviceMemory(TorchDispatchMode):
     def _register(self, t: torch.Tensor) -> int:
         if t.device != self.device or _is_fake(t) or t.is_sparse:
             return 0
-        st = t.untyped_storage()
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # storage-less wrapper subclasses
+            return 0
         if _is_host_storage(st):
             return 0
         key = st._cdata

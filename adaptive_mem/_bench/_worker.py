@@ -21,7 +21,6 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,22 +35,13 @@ log = logging.getLogger(__name__)
 
 
 class EntryScanMemory(DeviceMemory):
-    """:class:`DeviceMemory` whose entry scan skips what is not device memory (see :func:`_live_tensors`)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(track_existing=False, **kwargs)
+    """:class:`DeviceMemory` that counts the tensors alive at entry and lets compiled code run compiled."""
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Lets torch.compile'd code run as compiled under this mode (dynamo skips frames under other
         # modes, i.e. it would measure the eager model). The compiled graphs' aten ops still pass here.
         return True
-
-    def __enter__(self) -> "EntryScanMemory":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # .grad of non-leaf tensors found by the scan
-            self.track(_live_tensors())
-        return super().__enter__()
 
 
 class TimelineMemory(EntryScanMemory):
@@ -72,40 +62,6 @@ class TimelineMemory(EntryScanMemory):
         out = super().__torch_dispatch__(func, types, args, kwargs)
         self.points.append((time.perf_counter() - self._t0, self.live))
         return out
-
-
-def _live_tensors() -> list[torch.Tensor]:
-    """Every device tensor the garbage collector knows at entry, except host-side swap buffers.
-
-    Two differences from ``DeviceMemory(track_existing=True)``: dead weak proxies are skipped
-    (``isinstance`` raises on them, e.g. after torch.compile), and the swap pools' host buffers
-    (``HostBuffer.tensor``, created under ``host_allocations`` in an earlier step and kept for
-    reuse) are not counted as device memory on CPU.
-    """
-    import gc
-
-    from .._host_pool import HostBuffer
-
-    out = []
-    host: set[int] = set()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            try:
-                if isinstance(obj, torch.Tensor):
-                    out.append(obj)
-                elif isinstance(obj, HostBuffer) and obj.tensor is not None:
-                    host.add(obj.tensor.untyped_storage()._cdata)
-            except ReferenceError:
-                continue
-    return [t for t in out if _storage_key(t) not in host]
-
-
-def _storage_key(t: torch.Tensor) -> int | None:
-    try:
-        return t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # sparse and other storage-less tensors
-        return None
 
 
 def _step(bundle: Any, optimizer: torch.optim.Optimizer, seed: int) -> float:
