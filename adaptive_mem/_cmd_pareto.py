@@ -55,23 +55,11 @@ def run(args: argparse.Namespace) -> int:
     model = StepModel.build(profile, hardware=hardware)
     data = sweep(model, solvers, points, progress=True)
 
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, rows in data.items():
-        if rows:
-            rows = sorted(rows, key=lambda r: r[1])
-            ax.plot([r[1] / 2**30 for r in rows], [r[2] for r in rows], marker="o", label=name)
+    from ._bench._plots import predicted_pareto
+
     spec = profile.model.get("spec", "model")
-    ax.set_title(f"{spec}: predicted step time vs peak memory ({model.hardware.name})")
-    ax.set_xlabel("predicted peak device memory (GiB)")
-    ax.set_ylabel("predicted step time (s)")
-    ax.grid(alpha=0.3)
-    ax.legend(title="solver")
-    fig.tight_layout()
+    fig = predicted_pareto(data, title=f"{spec}: predicted step time vs peak memory ({model.hardware.name})")
     fig.savefig(args.output)
-    plt.close(fig)
     for name, rows in data.items():
         cells = ", ".join(f"{f:.1f}: {t:.4f} s" for f, _, t in rows) or "no budget met"
         print(f"{name:>16}  {cells}")

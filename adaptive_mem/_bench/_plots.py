@@ -114,26 +114,33 @@ def timeline(results: dict[str, Any], *, policy: str = "ours-milp") -> Any:
     return fig
 
 
-def simulated_pareto(results: dict[str, Any]) -> Any:
+def predicted_pareto(curves: dict[str, list], *, title: str) -> Any:
+    """Predicted step time vs peak memory, one line per solver; points are ``(budget, peak bytes,
+    step seconds, ...)``. Shared with ``adaptive-mem pareto``."""
     from matplotlib.figure import Figure
 
-    sim = results.get("simulated") or {}
-    curves = sim.get("pareto") or {}
-    if not curves:
-        return None
     fig = Figure(figsize=(8, 5))
     ax = fig.add_subplot()
     for name, pts in curves.items():
         if pts:
             pts = sorted(pts, key=lambda p: p[1])
             ax.plot([p[1] / 2**30 for p in pts], [p[2] for p in pts], "-o", label=name, markersize=3)
-    ax.set_title(f"{sim.get('pareto_model', '')} on {sim.get('hardware', '')}: predicted step time vs peak memory")
+    ax.set_title(title)
     ax.set_xlabel("predicted peak device memory (GiB)")
     ax.set_ylabel("predicted step time (s)")
     ax.grid(alpha=0.3)
     ax.legend(title="solver")
     fig.tight_layout()
     return fig
+
+
+def simulated_pareto(results: dict[str, Any]) -> Any:
+    sim = results.get("simulated") or {}
+    curves = sim.get("pareto") or {}
+    if not curves:
+        return None
+    return predicted_pareto(curves, title=f"{sim.get('pareto_model', '')} on {sim.get('hardware', '')}: "
+                                          "predicted step time vs peak memory")
 
 
 def build_figures(results: dict[str, Any]) -> dict[str, Any]:
