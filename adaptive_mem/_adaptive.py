@@ -72,7 +72,7 @@ class AdaptiveMemory:
         self.manager = SwapManager(model, device=self.device)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
         self.manager.headroom = self._headroom
-        self.manager.copiers = self._plan_copiers
+        self.manager.engines = self._plan_engines
         self.hook.exhausted = self._exhausted
         if hasattr(self.hook, "mode"):
             self.hook.mode.exhausted = self._exhausted
@@ -277,9 +277,12 @@ class AdaptiveMemory:
             with host_allocations():
                 hardware = profiler.hardware_spec("cpu", dtype=dtype)
         self._busy += 1
+        moved0 = self.manager.stats.first_out_bytes
         try:
             prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
-                                         optimizer=self.optimizer, warmup=0, repeat=0, hardware=hardware)
+                                         optimizer=self.optimizer, warmup=0, repeat=0, hardware=hardware,
+                                         optimizer_time=0.0)  # the same for every plan; timing a scratch copy
+                                                              # would allocate inside the budget
         except torch.OutOfMemoryError as exc:
             size, what = self.manager.largest_unswappable()
             raise AdaptiveBudgetError(
@@ -289,6 +292,15 @@ class AdaptiveMemory:
         finally:
             self._busy -= 1
         self.profiles_run += 1
+        moved = self.manager.stats.first_out_bytes - moved0
+        if moved:
+            # Note: [profile under rescue] the profiled step survived by swapping; its measured peak is the
+            # budget's, not the plain step's. The activations swapped out were all still alive at the start
+            # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
+            # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
+            log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
+                     "peak is taken as measured + swapped", _fmt(moved))
+            prof.peak_memory += moved
         self._profile = prof
         self.manager.set_profile(prof)
         self._step_model = model = StepModel.build(prof)
@@ -330,10 +342,10 @@ class AdaptiveMemory:
             return first.sum()
         return loss
 
-    def _plan_copiers(self) -> list[Any]:
+    def _plan_engines(self) -> list[Any]:
         executor = getattr(self._handle, "_executor", None)
         engine = getattr(executor, "engine", None)
-        return [engine.copier] if engine is not None else []
+        return [engine] if engine is not None else []
 
     def _headroom(self) -> int | None:
         room = self.hook.headroom()
@@ -448,6 +460,9 @@ class AdaptiveMemory:
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
             self._handle = optimize(self.model, plan=unchecked, profile=self._profile)
+            for engine in self._plan_engines():  # Note: [budget-aware prefetch]
+                engine.headroom = self._headroom
+                engine.prefetch_reserve = self.manager.prefetch_reserve
         self.manager.attach()  # innermost again, after the executor's hooks
 
     def _parallel(self) -> dict[str, int]:

@@ -10,6 +10,14 @@ layers ahead) or on demand at unpack; unpack blocks only if the reload is
 late. Host buffers return to the pool as soon as their bytes are back on the
 device, so nothing leaks across steps.
 
+Note: [budget-aware prefetch]. With a ``headroom`` callback (the adaptive loop
+sets one) a scheduled prefetch is issued only when it fits in the free device
+bytes minus ``prefetch_reserve``; otherwise it is retried at the next layer's
+backward and, at the latest, reloaded on demand at unpack. A reloaded storage
+keeps its host copy until it is first served, so :meth:`SwapEngine.evict` can
+drop the reloaded device bytes of a prefetch that is not yet used, at no copy
+cost, when an allocation of the step needs the room.
+
 Note: [in-place after save]. A saved tensor modified in place before its
 offload copy ran would be swapped with the wrong bytes; the engine compares
 the tensor's version counter after the copy and fails the unpack with
@@ -22,7 +30,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -51,9 +59,10 @@ class SwapStats:
 class _Record:
     """One swapped storage."""
 
-    def __init__(self, engine: "SwapEngine", src: torch.Tensor, nbytes: int, label: str) -> None:
+    def __init__(self, engine: "SwapEngine", src: torch.Tensor, nbytes: int, label: str, layer: int) -> None:
         self.engine = engine
         self.label = label
+        self.layer = layer
         self.nbytes = nbytes
         self.device = src.device
         self.src: torch.Tensor | None = src  # the saved tensor, held until the offload copy landed
@@ -67,6 +76,8 @@ class _Record:
         self.flat: torch.Tensor | None = None  # uint8 view of the whole storage, what the copy reads
         self.copying = False
         self.error: str | None = None
+        self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
+        self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.lock = threading.RLock()
 
     def offload(self) -> None:
@@ -108,11 +119,32 @@ class _Record:
                 engine.pool.read(host, dst, non_blocking=non_blocking)
 
             def landed() -> None:
-                engine.pool.release(host)
-                self.host = None
+                with self.lock:
+                    self.reloaded = True
+                    if self.handles == 0 or self.served:
+                        self._release_host()
 
             self.h2d = engine.copier.submit(copy, landed)
             engine.stats.reloaded_bytes += self.nbytes
+            engine._reloads.append(weakref.ref(self))
+
+    def _release_host(self) -> None:
+        host, self.host = self.host, None
+        if host is not None:
+            self.engine.pool.release(host)
+
+    def evict(self) -> bool:
+        """Note: [budget-aware prefetch]: drop the reloaded, never served device copy (the host copy stays)."""
+        if self.h2d is None or self.served or self.handles == 0 or self.host is None:
+            return False
+        self.engine.copier.sync(self.h2d)  # the device bytes are free once no copy writes them
+        with self.lock:
+            if self.served or self.host is None:
+                return False
+            self.dst = None
+            self.h2d = None
+            self.reloaded = False
+        return True
 
     def storage(self) -> torch.UntypedStorage:
         engine = self.engine
@@ -132,6 +164,10 @@ class _Record:
                           f"inplace operation (swapped activation of {self.label})")
         if self.error is not None:
             raise RuntimeError(self.error)
+        with self.lock:
+            self.served = True
+            if self.reloaded:
+                self._release_host()
         return self.dst.untyped_storage()
 
     def drop_handle(self) -> None:
@@ -147,16 +183,18 @@ class _Record:
             return
         self.dst = None
         if self.h2d is not None:
-            return  # the reload owns the host buffer and releases it when it lands
+            with self.lock:
+                if self.reloaded:
+                    self._release_host()
+            return  # else the reload releases the host buffer when it lands
         with self.lock:
             running = self.copying
             self.src = self.flat = None
         engine = self.engine
         if self.d2h is not None and not self.d2h.finished and (running or engine.copier.asynchronous_issue):
             engine.copier.sync(self.d2h)
-        host, self.host = self.host, None
-        if host is not None:
-            engine.pool.release(host)
+        with self.lock:
+            self._release_host()
 
 
 class Packed:
@@ -204,10 +242,16 @@ class SwapEngine:
         self.stats = SwapStats()
         self._by_storage: dict[int, tuple[Any, _Record]] = {}
         self._pending: dict[int, list[weakref.ref]] = {}
+        self._reloads: list[weakref.ref] = []
+        self.headroom: Callable[[], int | None] = lambda: None
+        """Free device bytes now, or None when unknown (then every scheduled prefetch is issued)."""
+        self.prefetch_reserve = 0
+        """Bytes a prefetch must leave free for backward's own allocations (with a ``headroom``)."""
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
         self._by_storage.clear()
+        self._reloads.clear()
         self.copier.reap()
 
     def end_forward(self) -> None:
@@ -220,7 +264,7 @@ class SwapEngine:
         known = self._by_storage.get(key)
         if known is not None and known[0]() is not None:
             return Packed(known[1], t)  # Note: [swap by storage]: saved twice or another view
-        record = _Record(self, t, st.nbytes(), label)
+        record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
         self._by_storage[key] = (weakref.ref(st), record)
         if prefetch > 0:
@@ -231,13 +275,45 @@ class SwapEngine:
     # ------------------------------------------------------------------ backward
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
-        and any whose trigger was skipped."""
+        and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
+        prefetch]), the rest wait for the next layer or their unpack."""
+        self.copier.reap()
+        room = self.headroom()
+        if room is not None:
+            room -= self.prefetch_reserve
+        deferred: list[weakref.ref] = []
         for trigger in sorted((k for k in self._pending if k >= layer), reverse=True):
             for ref in self._pending.pop(trigger):
                 record = ref()
-                if record is not None and record.handles > 0:
+                if record is None or record.handles <= 0 or record.h2d is not None:
+                    continue
+                if room is not None and record.nbytes > room:
+                    deferred.append(ref)
+                    continue
+                try:
                     record.reload()
+                except torch.OutOfMemoryError:
+                    deferred.append(ref)
+                    continue
+                if room is not None:
+                    room -= record.nbytes
+        if deferred and layer > 0:
+            self._pending.setdefault(layer - 1, []).extend(deferred)
         self.copier.reap()
+
+    def evict(self, needed: int) -> int:
+        """Free up to ``needed`` device bytes by dropping reloaded prefetches not yet used, the one needed
+        last (lowest layer) first; returns the bytes freed."""
+        alive = [r for r in (ref() for ref in self._reloads) if r is not None and r.h2d is not None]
+        self._reloads = [weakref.ref(r) for r in alive]
+        freed = 0
+        for record in sorted(alive, key=lambda r: r.layer):
+            if freed >= needed:
+                break
+            if record.evict():
+                freed += record.nbytes
+                self._pending.setdefault(record.layer, []).append(weakref.ref(record))
+        return freed
 
     def close(self) -> None:
         self.copier.close()

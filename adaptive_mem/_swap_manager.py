@@ -60,7 +60,10 @@ class ManagerStats:
     failed_rescues: int = 0
     """Rescue requests that could not free what was asked."""
     swapped_out_bytes: int = 0
-    """Bytes moved to the host by rescues (cumulative)."""
+    """Bytes moved to the host by rescues (cumulative), evictions of early prefetches included."""
+    first_out_bytes: int = 0
+    """Bytes of activations a rescue moved off the device for the first time in their life (cumulative):
+    what a step that needed rescues would have held on top of its measured peak."""
     prefetches: int = 0
     """Reloads started ahead of use."""
     on_demand: int = 0
@@ -138,8 +141,9 @@ class SwapManager:
         self._h2d = 0.0
         self.headroom: Callable[[], int | None] = lambda: None
         """Free device bytes now, or None when unknown (then nothing is prefetched: reloads happen at use)."""
-        self.copiers: Callable[[], list[Any]] = lambda: []
-        """Copiers of other swap engines (the applied plan's) whose in-flight offloads a rescue may wait for."""
+        self.engines: Callable[[], list[SwapEngine]] = lambda: []
+        """Other swap engines (the applied plan's): a rescue drops their unused prefetches and waits for
+        their in-flight offloads."""
         self.prefetch_reserve = 0
         """Bytes of headroom a prefetch must leave for backward's own allocations."""
         if profile is not None:
@@ -359,8 +363,16 @@ class SwapManager:
             for group in candidates:
                 if freed >= needed:
                     break
-                if self._swap_out(group) if group.record is None else self._evict(group):
+                first = group.record is None
+                if self._swap_out(group) if first else self._evict(group):
                     freed += group.nbytes
+                    self.stats.first_out_bytes += group.nbytes if first else 0
+            for engine in self.engines():  # Note: [budget-aware prefetch]
+                if freed >= needed:
+                    break
+                dropped = engine.evict(needed - freed)
+                self.stats.evicted += bool(dropped)
+                freed += dropped
         if freed < needed and self._drain():
             freed = max(freed, 1)  # copies in flight landed and released their device bytes: the caller re-checks
         if freed:
@@ -376,7 +388,7 @@ class SwapManager:
         when they land. Bounded wait: a copy blocked behind the allocation that asked (a reload holding its
         record's lock) must not hang the step."""
         drained = False
-        for copier in self.copiers():
+        for copier in [engine.copier for engine in self.engines()]:
             marker = copier.submit(lambda non_blocking: None)  # copies run in issue order: behind all of them
             if isinstance(copier, ThreadCopier):
                 drained |= marker.landed.wait(timeout=2.0)

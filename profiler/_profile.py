@@ -148,6 +148,9 @@ class Profile:
     """``measured`` when h2d/d2h bandwidths were measured on this device, else ``spec``."""
     unattributed_time: float = 0.0
     """Backward seconds charged to no forward op (loss seed, gradient accumulation into ``.grad``)."""
+    optimizer_time: float = 0.0
+    """Seconds of one optimizer step (``static.optimizer``), not part of ``step_time``: measured on
+    scratch parameters on a real device, estimated as memory-bound on fake tensors."""
     version: int = PROFILE_VERSION
     """Schema version."""
 

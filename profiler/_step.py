@@ -13,6 +13,7 @@ from torch import nn
 
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
+from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder
 from ._static import static_memory
@@ -119,7 +120,8 @@ def profile_step(
     hardware: str | HardwareSpec | None = None,
     optimizer: str | torch.optim.Optimizer | None = None,
     warmup: int = 1,
-    repeat: int = 1,
+    repeat: int = 3,
+    optimizer_time: float | None = None,
 ) -> Profile:
     """Profile one training step (forward + backward) of ``target``.
 
@@ -130,6 +132,8 @@ def profile_step(
     recorded step; ``repeat=0`` takes ``step_time`` from the recorded ops); on
     fake tensors they are estimated for ``hardware`` (default ``h100``).
     Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
+    ``optimizer_time``: seconds of one optimizer step when the caller knows them; None times a
+    scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
     """
     step = _target(target, inputs, loss_fn)
     model = step.model
@@ -151,9 +155,25 @@ def profile_step(
         for p, grad in saved_grads:
             p.grad = grad
     result = _build(step, recorder, hw, static, device, fake, step_time, dtype)
+    if optimizer_time is None:
+        optimizer_time = _optimizer_seconds(model, optimizer or "adam", hw, fake)
+    elif optimizer_time < 0:
+        raise ValueError(f"optimizer_time={optimizer_time}: expected seconds >= 0")
+    result.optimizer_time = float(optimizer_time)
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
+
+
+def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer, hw: HardwareSpec, fake: bool) -> float:
+    if fake:
+        return estimate_optimizer_seconds(model, optimizer, hw)
+    try:
+        return measure_optimizer_seconds(model, optimizer)
+    except (TypeError, ValueError) as exc:  # an optimizer class whose defaults are not its constructor's
+        log.warning("optimizer step of %s not measurable on scratch parameters (%s); estimated from memory "
+                    "bandwidth", type(optimizer).__name__, exc)
+        return estimate_optimizer_seconds(model, optimizer, hw)
 
 
 def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int,

@@ -76,7 +76,8 @@ class StepModel:
     boundary: int
     """Workspace at the start of backward beyond saved activations (loss, logits gradient)."""
     other_time: float
-    """Step seconds outside forward/backward of units (optimizer step) in a measured profile."""
+    """Step seconds outside the units' forward/backward: the optimizer step, plus in a measured profile
+    the rest of the plain step (loss, gradient accumulation) the op times do not cover."""
     forward_time: float
     backward_time: float
 
@@ -192,6 +193,7 @@ class StepModel:
         grads = [int(total * w / sum(weight)) for w in weight]
         grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
         other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
+        other += profile.optimizer_time
         return cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
                    base=base, grads=grads, boundary=boundary, other_time=other,
                    forward_time=fwd, backward_time=bwd)

@@ -3,7 +3,9 @@
 The profile is measured here (``adaptive-mem profile``), each plan is executed by
 ``adaptive-mem run`` (the executor, with the independent device-memory tracker), and the
 simulator's prediction from the profile is compared: peak within 5 %, step time within 15 %.
-Step times are wall-clock: a machine busy with other work makes them noisy.
+Step times are wall-clock: a machine busy with other work makes them noisy. ``run`` times five
+untracked steps after two accounted ones (Note: [run timing]); the profile carries the optimizer
+step (``Profile.optimizer_time``), which every measured step includes.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import sys
 
 import pytest
 
-from adaptive_mem._cli import main
 from search import Action, Decision, Plan, simulate
 from profiler import Profile
 
@@ -27,7 +28,7 @@ def _run(plan_path) -> tuple[int, float]:
     # Its own process, as a user runs it: the device-memory scan at entry must not find tensors
     # that earlier tests of this pytest process left alive.
     done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "run", "--model", "llama-small",
-                           "--plan", str(plan_path), "--steps", "3", "--log-level", "WARNING"],
+                           "--plan", str(plan_path), "--steps", "7", "--log-level", "WARNING"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout
@@ -47,7 +48,10 @@ def measured(tmp_path_factory):
     """Profile once; predict and run (in its own process) every plan: name -> (predicted, peak, step)."""
     directory = tmp_path_factory.mktemp("measured")
     profile_path = directory / "llama-small.json"
-    assert main(["profile", "--model", "llama-small", "-o", str(profile_path), "--log-level", "WARNING"]) == 0
+    # Its own process too: after hundreds of tests the pytest process is not what a user profiles in.
+    done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "profile", "--model", "llama-small", "-o",
+                           str(profile_path), "--log-level", "WARNING"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
     profile = Profile.load(profile_path)
     results = {}
     for name, decisions in PLANS:
@@ -64,11 +68,7 @@ def test_predicted_peak_matches_measurement(measured, name):
     assert predicted.peak_bytes == pytest.approx(peak, rel=0.05), (predicted.peak_bytes, peak)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 5 open: `adaptive-mem run` times its steps inside the CPU accounting dispatch mode and with "
-    "Adam's step, which the profile's forward+backward step time does not include, and measured "
-    "recompute costs ~1.5x the profiled forward; on a quiet machine predicted was 19-25 % below measured"))
 @pytest.mark.parametrize("name", [name for name, _ in PLANS])
 def test_predicted_step_time_matches_measurement(measured, name):
     predicted, _, step = measured[name]
-    assert predicted.step_time == pytest.approx(step, rel=0.15), (predicted.step_time, step)
+    assert predicted.step_time == pytest.approx(step, rel=0.15), f"predicted {predicted.step_time:.3f} s, measured {step:.3f} s"

@@ -123,3 +123,45 @@ def test_file_store_round_trip(tmp_path):
     path = engine.pool.path
     engine.close()
     assert not (tmp_path / path).exists()
+
+
+def test_budget_aware_prefetch_issues_only_what_fits_and_the_rest_on_demand():
+    """Note: [budget-aware prefetch]: a prefetch never takes room the step does not have."""
+    engine = _engine(num_layers=4)
+    room = {"free": 900}
+    engine.headroom = lambda: room["free"]
+    engine.prefetch_reserve = 100
+    packed = {layer: engine.offload(torch.full((100,), float(layer)), label=f"l{layer}", layer=layer, prefetch=4)
+              for layer in range(4)}
+    engine.on_backward(4)  # all four due; 800 bytes of room after the reserve: two fit (400 each)
+    assert engine.stats.reloaded_bytes == 800
+    room["free"] = 0
+    engine.on_backward(3)  # the other two wait: no room
+    assert engine.stats.reloaded_bytes == 800
+    for layer in reversed(range(4)):
+        assert torch.equal(packed[layer].unpack(), torch.full((100,), float(layer)))
+    assert engine.stats.on_demand_reloads == 2
+    assert engine.pool.in_use_bytes == 0
+    engine.close()
+
+
+def test_evict_drops_an_unused_prefetch_and_it_comes_back_exact():
+    engine = _engine(num_layers=2)
+    with DeviceMemory(track_existing=False) as mem:
+        t = torch.arange(2500, dtype=torch.float32)
+        packed = engine.offload(t, label="x", layer=0, prefetch=2)
+        del t
+        engine.copier.sync(packed.record.d2h)
+        assert mem.live == 0
+        engine.on_backward(2)  # prefetched
+        engine.copier.sync(packed.record.h2d)
+        assert mem.live == 10_000
+        assert engine.evict(1) == 10_000  # not yet used: its device copy goes, the host copy stays
+        assert mem.live == 0 and engine.pool.in_use_bytes == 10_000
+        engine.on_backward(0)  # due again at its own layer
+        out = packed.unpack()
+        assert torch.equal(out, torch.arange(2500, dtype=torch.float32))
+        assert engine.evict(1) == 0  # served: never evicted
+        assert engine.pool.in_use_bytes == 0
+        del out, packed
+    engine.close()

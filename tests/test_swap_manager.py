@@ -166,3 +166,30 @@ def test_prefetched_but_unused_tensors_go_back_out_when_room_is_needed():
         assert_grads(b.model, grads[0], 0)
     finally:
         manager.close()
+
+
+def test_rescue_drops_the_applied_plans_unused_prefetches_too():
+    """Note: [budget-aware prefetch]: what the plan's engine brought back early is not stuck on the device."""
+    from adaptive_mem._swap_engine import SwapEngine
+
+    b = bundle()
+    manager, _ = _managed(b.model)
+    plan_engine = SwapEngine(device="cpu", num_layers=2)
+    manager.engines = lambda: [plan_engine]
+    try:
+        with DeviceMemory(track_existing=False) as mem:
+            t = torch.randn(5000)
+            expected = t.clone()
+            packed = plan_engine.offload(t, label="plan", layer=0, prefetch=2)
+            del t
+            plan_engine.copier.sync(packed.record.d2h)
+            before = mem.live
+            plan_engine.on_backward(2)
+            plan_engine.copier.sync(packed.record.h2d)
+            assert mem.live == before + 20_000
+            assert manager.rescue(10_000)  # the manager holds nothing of its own: the plan's prefetch goes
+            assert mem.live == before and manager.stats.evicted == 1
+            assert torch.equal(packed.unpack(), expected)
+    finally:
+        plan_engine.close()
+        manager.close()
