@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps per run (default 1)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="processes per (policy, budget), interleaved; medians are reported (default 1)")
+    parser.add_argument("--match", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run ours-milp at each eager competitor's measured peak, so every competitor "
+                             "meets a plan of ours at its own memory (default on; needs ours-milp in --policies)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in each run, the same for all (default 1: stable on a shared machine)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
@@ -96,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
                              model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
                              steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-                             timeout=args.timeout, command=command)
+                             timeout=args.timeout, match=args.match, command=command)
         results = run_bench(config)
     if args.simulate:
         results["simulated"] = simulate_targets(hardware=args.simulate, progress=True)
@@ -109,9 +112,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_summary(results: dict) -> None:
     from ._bench import compare
+    from ._bench._results import budget_label
 
     for r in results["runs"]:
-        budget = "" if r["budget"] is None else f"@{r['budget']:g}"
+        budget = "" if r["budget"] is None and not r.get("match") else f"@{budget_label(r)}"
         if r["status"] == "ok":
             print(f"{r['policy'] + budget:>24}  peak {r['peak_bytes'] / 2**20:9.1f} MiB  "
                   f"step {r['median_step_time']:.4f} s  {r['tokens_per_s']:9.0f} tok/s")

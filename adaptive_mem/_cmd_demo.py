@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     budget = trade_off_budget(StepModel.build(profile))
     log.info("budget: %.3f of the activation memory (halfway between full recompute and keeping everything)", budget)
     config = BenchConfig(spec=args.model, budgets=(budget,), policies=POLICIES, out=out, steps=5, warmup=1,
-                         threads=1, command=f"adaptive-mem demo --out {args.out}")
+                         threads=1, match=False, command=f"adaptive-mem demo --out {args.out}")
     results = run_bench(config, profile=profile)
     paths = write_outputs(results, out)
     print()

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from adaptive_mem._bench import load_results, render_report
+from adaptive_mem._bench import compare, load_results, render_report
 from adaptive_mem._cli import main
 
 
 @pytest.fixture(scope="module")
 def bench_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    code = main(["bench", "--model", "llama-tiny", "--budgets", "0.9", "--policies", "none,ours-milp,hf-gc",
+    code = main(["bench", "--model", "llama-tiny", "--budgets", "0.9", "--policies", "none,full,ours-milp,hf-gc",
                  "--out", str(out), "--steps", "5"])
     assert code == 0
     return out
@@ -21,8 +21,8 @@ def bench_dir(tmp_path_factory):
 
 def test_bench_measures_each_policy_in_its_own_run(bench_dir):
     results = load_results(bench_dir / "results.json")
-    runs = {r["policy"]: r for r in results["runs"]}
-    assert set(runs) == {"none", "ours-milp", "hf-gc"}
+    runs = {r["policy"]: r for r in results["runs"] if not r.get("match")}
+    assert set(runs) == {"none", "full", "ours-milp", "hf-gc"}
     assert runs["hf-gc"]["status"] == "skipped"  # not a Hugging Face model
     none, ours = runs["none"], runs["ours-milp"]
     assert none["status"] == ours["status"] == "ok"
@@ -38,6 +38,23 @@ def test_bench_measures_each_policy_in_its_own_run(bench_dir):
     # same model, weights and first batch in both processes: the same first loss, bit for bit
     assert none["repeats"][0]["first_loss"] == ours["repeats"][0]["first_loss"]
     assert (bench_dir / "plans" / "ours-milp-0.9.yaml").exists() and (bench_dir / "profile.json").exists()
+
+
+def test_ours_is_also_searched_and_run_at_each_competitors_measured_peak(bench_dir):
+    results = load_results(bench_dir / "results.json")
+    full = next(r for r in results["runs"] if r["policy"] == "full")
+    matched = [r for r in results["runs"] if r.get("match")]
+    assert [(m["policy"], m["match"]) for m in matched] == [("ours-milp", "full")]
+    m = matched[0]
+    # the budget in the simulator's terms: full recompute's own predicted peak (its measured one is the match)
+    assert m["budget"] is None and m["match_peak_bytes"] == full["repeats"][0]["peak_bytes"]
+    assert m["budget_bytes"] == full["predicted_peak_bytes"]
+    assert m["status"] == "ok", m.get("error")
+    assert m["predicted_peak_bytes"] <= m["budget_bytes"] and len(m["repeats"]) == 1
+    verdict = next(c for c in compare(results) if c["competitor"] == "full")
+    if m["peak_bytes"] <= full["peak_bytes"]:
+        assert verdict["verdict"] != "no-match" and verdict["ours_peak_bytes"] <= full["peak_bytes"]
+    assert "| ours-milp | = full |" in (bench_dir / "report.md").read_text()
 
 
 def test_report_is_regenerated_identically_from_results_json(bench_dir):

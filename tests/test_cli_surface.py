@@ -26,7 +26,8 @@ EXPECTED: dict[str, set[str]] = {
             "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
             "--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache"},
     "bench": {"--model", "--model-args", "--batch-size", "--seq-len", "--budgets", "--policies", "--out", "--steps",
-              "--warmup", "--repeats", "--threads", "--timeout", "--simulate", "--simulate-only"},
+              "--warmup", "--repeats", "--threads", "--timeout", "--simulate", "--simulate-only", "--match",
+              "--no-match"},
 }
 
 

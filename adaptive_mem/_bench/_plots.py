@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from ._report import PLOTS
+from ._results import budget_label
 
 __all__ = ["build_figures", "write_figures", "have_matplotlib"]
 
@@ -44,8 +45,8 @@ def pareto(results: dict[str, Any]) -> Any:
         style = "-o" if len(rows) > 1 else "s"
         ax.plot(xs, ys, style, label=name, linewidth=2.5 if name.startswith("ours") else 1.2)
         for r, x, y in zip(rows, xs, ys):
-            if r["budget"] is not None:
-                ax.annotate(f"{r['budget']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+            if r["budget"] is not None or r.get("match"):
+                ax.annotate(budget_label(r), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_title(f"{results['model']['spec']}: measured step time vs peak memory per policy")
     ax.set_xlabel("measured peak device memory (MiB)")
     ax.set_ylabel("median step time (s)")
@@ -74,7 +75,7 @@ def plan_layers(results: dict[str, Any], *, policy: str = "ours-milp") -> Any:
             vals = [row[key] / 2**20 for row in layers]
             ax.bar(xs, vals, bottom=bottom, color=color, label=key)
             bottom = [b + v for b, v in zip(bottom, vals)]
-        where = "" if r["budget"] is None else f" at budget {r['budget']:g}"
+        where = "" if r["budget"] is None and not r.get("match") else f" at budget {budget_label(r)}"
         ax.set_title(f"{r['policy']}{where}: saved activations per layer by decision")
         ax.set_xlabel("layer")
         ax.set_ylabel("saved bytes (MiB)")
@@ -97,7 +98,7 @@ def timeline(results: dict[str, Any], *, policy: str = "ours-milp") -> Any:
     ax = fig.add_subplot()
     for k, r in enumerate(rows):
         color = f"C{k}"
-        tag = r["policy"] + ("" if r["budget"] is None else f"@{r['budget']:g}")
+        tag = r["policy"] + ("" if r["budget"] is None and not r.get("match") else f"@{budget_label(r)}")
         for key, style, what in (("timeline_measured", "-", "measured"), ("timeline_predicted", "--", "predicted")):
             pts = r.get(key) or []
             if not pts:

@@ -74,11 +74,14 @@ class PrepareContext:
             return None
         return Budget(activation_fraction=fraction).resolve(self.model)
 
-    def predict(self, solver: str, name: str, *, budget: float | None) -> dict[str, Any]:
-        """Solve ``solver`` (at ``budget``, or unconstrained), save its plan, return the predictions."""
-        limit = self.budget_bytes(budget) if budget is not None else 1 << 62
+    def predict(self, solver: str, name: str, *, budget: float | None, limit: int | None = None,
+                tag: str | None = None) -> dict[str, Any]:
+        """Solve ``solver`` (at the activation ``budget`` fraction, at ``limit`` bytes of peak memory, or
+        unconstrained), save its plan, return the predictions."""
+        if limit is None:
+            limit = self.budget_bytes(budget) if budget is not None else 1 << 62
         result = get_solver(solver).solve(Problem(self.model, limit))
-        tag = name if budget is None else f"{name}-{budget:g}"
+        tag = tag or (name if budget is None else f"{name}-{budget:g}")
         path = self.out / "plans" / f"{tag}.yaml"
         result.plan.save(path)
         sim = simulate_assignment(self.model, result.assignment, record=True)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._results import budget_label
+
 __all__ = ["render_report", "compare", "compile_landing", "TIME_TOLERANCE", "PLOTS"]
 
 TIME_TOLERANCE = 0.02
@@ -60,6 +62,7 @@ def compare(results: dict[str, Any], *, ours: str = "ours-milp") -> list[dict[st
         ratio = best["median_step_time"] / c["median_step_time"]
         out.append({"competitor": c["policy"], "budget": c["budget"], "peak_bytes": c["peak_bytes"],
                     "step_time": c["median_step_time"], "ours_budget": best["budget"],
+                    "ours_budget_label": budget_label(best),
                     "ours_peak_bytes": best["peak_bytes"], "ours_step_time": best["median_step_time"],
                     "ratio": ratio, "verdict": "pass" if ratio <= 1 + TIME_TOLERANCE else "fail"})
     return out
@@ -89,13 +92,13 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results["runs"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['policy']} | {_budget(r['budget'])} | {r['status']} | - | - | - | - | - | - | - | - |")
+            lines.append(f"| {r['policy']} | {budget_label(r)} | {r['status']} | - | - | - | - | - | - | - | - |")
             continue
         mem = None if none is None else r["peak_bytes"] / none["peak_bytes"] - 1
         time = None if full is None else r["median_step_time"] / full["median_step_time"] - 1
         pred = r.get("predicted_peak_bytes")
         err = None if pred is None else pred / r["peak_bytes"] - 1
-        lines.append(f"| {r['policy']} | {_budget(r['budget'])} | ok | {_mib(r['peak_bytes'])} | {_pct(mem)} | "
+        lines.append(f"| {r['policy']} | {budget_label(r)} | ok | {_mib(r['peak_bytes'])} | {_pct(mem)} | "
                      f"{_s(r['median_step_time'])} | {_pct(time)} | {r['tokens_per_s']:.0f} | {_mib(pred)} | "
                      f"{_s(r.get('predicted_step_time'))} | {_pct(err)} |")
     return lines
@@ -119,7 +122,7 @@ def _comparison(results: dict[str, Any]) -> list[str]:
                          f"{_s(r['step_time'])} | - | - | - | - | no run of ours at <= its memory |")
             continue
         lines.append(f"| {r['competitor']} | {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} "
-                     f"| {_budget(r['ours_budget'])} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
+                     f"| {r['ours_budget_label']} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
                      f"{r['ratio']:.3f} | {r['verdict']} |")
     return lines
 
@@ -159,9 +162,9 @@ def _details(results: dict[str, Any]) -> list[str]:
     for r in _ok(results):
         text = _detail(r)
         if text:
-            lines.append(f"- `{r['policy']}` at budget {_budget(r['budget'])}: {text}")
+            lines.append(f"- `{r['policy']}` at budget {budget_label(r)}: {text}")
         if r.get("failed_repeats"):
-            lines.append(f"- `{r['policy']}` at budget {_budget(r['budget'])}: {len(r['failed_repeats'])} of "
+            lines.append(f"- `{r['policy']}` at budget {budget_label(r)}: {len(r['failed_repeats'])} of "
                          f"{len(r['failed_repeats']) + len(r.get('repeats', []))} processes failed "
                          f"({r['failed_repeats'][0]}); the row holds the others")
     return ["", "## Run details", ""] + lines if lines else []
@@ -173,7 +176,7 @@ def _problems(results: dict[str, Any]) -> list[str]:
         return []
     lines = ["", "## Runs that did not complete", ""]
     for r in bad:
-        lines.append(f"- `{r['policy']}` at budget {_budget(r['budget'])}: **{r['status']}**: {r.get('error', '')}")
+        lines.append(f"- `{r['policy']}` at budget {budget_label(r)}: **{r['status']}**: {r.get('error', '')}")
     return lines
 
 

@@ -9,6 +9,11 @@ Top level: ``format``, ``version``, ``created``, ``command``, ``machine``, ``mod
      "predicted_peak_bytes": 440, "predicted_step_time": 1.1, "plan_layers": [...],
      "timeline_measured": [[t, bytes], ...], "timeline_predicted": [[t, bytes], ...], "info": {...}}
 
+A row of ``ours-milp`` run at the measured peak of eager competitors (``adaptive-mem bench
+--match``, the default) has ``budget`` null, ``match`` the competitors' names (e.g.
+``"full, hf-gc"``), ``match_peak_bytes`` their measured peak and ``budget_bytes`` the budget the
+plan was searched for (that peak in the simulator's terms, see ``_runner``).
+
 ``status`` is ``ok``, ``failed`` (``error`` says why), ``infeasible`` (the policy has no plan
 under the budget) or ``skipped`` (not applicable to this model).
 """
@@ -21,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["RESULTS_FORMAT", "RESULTS_VERSION", "ResultsError", "load_results", "save_results", "merge_repeats",
-           "STATUSES"]
+           "STATUSES", "budget_label"]
 
 RESULTS_FORMAT = "adaptive-mem-bench"
 RESULTS_VERSION = 1
@@ -30,6 +35,13 @@ STATUSES = ("ok", "failed", "infeasible", "skipped")
 
 class ResultsError(ValueError):
     """A results file that is not of the documented form."""
+
+
+def budget_label(row: dict[str, Any]) -> str:
+    """``0.5``; ``= full`` for a run at a competitor's measured peak; ``-`` without a budget."""
+    if row.get("match"):
+        return f"= {row['match']}"
+    return "-" if row.get("budget") is None else f"{row['budget']:g}"
 
 
 def save_results(results: dict[str, Any], path: str | Path) -> None:

@@ -2,6 +2,13 @@
 
 Runs are interleaved across repeats (policy A, B, C, A, B, C, ...) so machine noise hits all
 policies alike; each run is a fresh ``python -m adaptive_mem._bench._worker`` process.
+
+With ``match`` (the default) the first repeat of every eager competitor runs first; its measured
+peak (exact, the same in every repeat) sets the memory budget of one more ``ours-milp`` row, so
+every competitor is compared with a plan of ours searched for its own memory. The budget is in
+the simulator's terms: the competitor's predicted peak when it is a plan the simulator knows
+(full, megatron-selective, hf-gc), else its measured peak scaled by the simulator's median
+predicted/measured ratio on those competitors. Those rows then join the interleaved repeats.
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import datetime
 import json
 import logging
 import os
+import statistics
 import platform
 import subprocess
 import sys
@@ -22,7 +30,7 @@ import torch
 
 from ._policies import get_policy
 from ._prepare import PrepareContext
-from ._results import RESULTS_FORMAT, RESULTS_VERSION, merge_repeats
+from ._results import RESULTS_FORMAT, RESULTS_VERSION, budget_label, merge_repeats
 
 __all__ = ["BenchConfig", "run_bench"]
 
@@ -57,6 +65,8 @@ class BenchConfig:
     """Seconds a single run may take before it is recorded as failed."""
     seed: int = 0
     """Weights and batches seed (the same for every policy)."""
+    match: bool = True
+    """Also run ``ours-milp`` at each eager competitor's measured peak (needs ``ours-milp`` in policies)."""
     command: str = ""
     """The command line, recorded in results.json."""
 
@@ -88,6 +98,56 @@ def _spawn(job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]
     return result
 
 
+def _job(config: BenchConfig, name: str, budget: float | None, prepared: dict[str, Any]) -> dict[str, Any]:
+    return {"spec": config.spec, "model_args": config.model_args, "batch_size": config.batch_size,
+            "seq_len": config.seq_len, "seed": config.seed, "steps": config.steps, "warmup": config.warmup,
+            "threads": config.threads, "policy": name, "budget": budget, **prepared}
+
+
+def _predicted(row: dict[str, Any], prepared: dict[str, Any]) -> dict[str, Any]:
+    for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan"):
+        if key in prepared:
+            row[key] = prepared[key]
+    return row
+
+
+def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> list[int]:
+    return [k for k, (row, job) in enumerate(rows)
+            if job is not None and row["eager"] and not row["ours"] and row["policy"] != "none"]
+
+
+def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured: list,
+                  competitors: list[int]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """One ``ours-milp`` row per distinct measured peak of the competitors' first runs."""
+    from search import InfeasibleBudgetError
+
+    firsts = [(rows[k][0], measured[k][0]) for k in competitors
+              if measured[k] and measured[k][0].get("status") == "ok"]
+    ratios = [row["predicted_peak_bytes"] / first["peak_bytes"] for row, first in firsts
+              if row.get("predicted_peak_bytes")]
+    calibration = statistics.median(ratios) if ratios else 1.0
+    peaks: dict[int, tuple[int, list[str]]] = {}
+    for row, first in firsts:
+        label = row["policy"] + ("" if row["budget"] is None else f"@{row['budget']:g}")
+        measured_peak = int(first["peak_bytes"])
+        budget = int(row.get("predicted_peak_bytes") or measured_peak * calibration)
+        peaks.setdefault(measured_peak, (budget, []))[1].append(label)
+    policy = get_policy("ours-milp")
+    out = []
+    for measured_peak, (budget, names) in sorted(peaks.items()):
+        match = ", ".join(names)
+        row = {"policy": policy.name, "label": policy.label, "budget": None, "budget_bytes": budget, "match": match,
+               "match_peak_bytes": measured_peak, "eager": policy.eager, "ours": policy.ours}
+        try:
+            prepared = ctx.predict("milp", policy.name, budget=None, limit=budget,
+                                   tag=f"{policy.name}-match-{names[0].replace('@', '-')}")
+        except InfeasibleBudgetError as exc:
+            out.append(({**row, "status": "infeasible", "error": str(exc)}, None))
+            continue
+        out.append((_predicted(row, prepared), _job(config, policy.name, None, prepared)))
+    return out
+
+
 def _rows(config: BenchConfig, ctx: PrepareContext) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
     """(row, job or None) for every (policy, budget); jobs are None for runs that cannot start."""
     from search import InfeasibleBudgetError
@@ -108,13 +168,7 @@ def _rows(config: BenchConfig, ctx: PrepareContext) -> list[tuple[dict[str, Any]
             except InfeasibleBudgetError as exc:
                 out.append(({**row, "status": "infeasible", "error": str(exc)}, None))
                 continue
-            for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan"):
-                if key in prepared:
-                    row[key] = prepared[key]
-            job = {"spec": config.spec, "model_args": config.model_args, "batch_size": config.batch_size,
-                   "seq_len": config.seq_len, "seed": config.seed, "steps": config.steps, "warmup": config.warmup,
-                   "threads": config.threads, "policy": name, "budget": budget, **prepared}
-            out.append((row, job))
+            out.append((_predicted(row, prepared), _job(config, name, budget, prepared)))
     return out
 
 
@@ -147,18 +201,35 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
     tokens = bundle.batch_size * bundle.seq_len
     rows = _rows(config, ctx)
     measured: list[list[dict[str, Any]]] = [[] for _ in rows]
-    todo = [(k, r) for r in range(config.repeats) for k, (_, job) in enumerate(rows) if job is not None]
+    match = config.match and "ours-milp" in config.policies
+    first = _competitors(rows) if match else []
+    jobs = sum(job is not None for _, job in rows)
     workdir = config.out / "jobs"
     workdir.mkdir(exist_ok=True)
-    with tqdm(total=len(todo), desc="bench runs", unit="run", file=sys.stderr, disable=not progress) as bar:
-        for k, _ in todo:
-            row, job = rows[k]
-            bar.set_postfix_str(f"{row['policy']}" + ("" if row["budget"] is None else f"@{row['budget']:g}"))
-            result = _spawn(job, workdir, config.timeout)
-            if result.get("status") != "ok":
-                log.warning("%s at budget %s: %s", row["policy"], row["budget"], result.get("error"))
-            measured[k].append(result)
-            bar.update(1)
+    with tqdm(total=jobs * config.repeats, desc="bench runs", unit="run", file=sys.stderr,
+              disable=not progress) as bar:
+
+        def execute(todo: list[int]) -> None:
+            for k in todo:
+                row, job = rows[k]
+                bar.set_postfix_str(f"{row['policy']}@{budget_label(row)}")
+                result = _spawn(job, workdir, config.timeout)
+                if result.get("status") != "ok":
+                    log.warning("%s at budget %s: %s", row["policy"], budget_label(row), result.get("error"))
+                measured[k].append(result)
+                bar.update(1)
+
+        execute(first)  # the competitors' peaks, for the matched rows
+        if match:
+            extra = _matched_rows(config, ctx, rows, measured, first)
+            rows += extra
+            measured += [[] for _ in extra]
+            bar.total += config.repeats * sum(job is not None for _, job in extra)
+            bar.refresh()
+            log.info("matched rows: ours-milp at %d competitor peaks", len(extra))
+        done_first = set(first)
+        execute([k for r in range(config.repeats) for k, (_, job) in enumerate(rows)
+                 if job is not None and not (r == 0 and k in done_first)])
     try:
         workdir.rmdir()
     except OSError:
@@ -177,6 +248,6 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
                   "static_bytes": profile.static.total, "base_bytes": model.base,
                   "predicted_unoptimized_peak_bytes": ctx.unoptimized_peak},
         "settings": {"budgets": list(config.budgets), "policies": list(config.policies), "steps": config.steps,
-                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed},
+                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed, "match": match},
         "runs": runs,
     }
