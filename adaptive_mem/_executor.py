@@ -32,11 +32,21 @@ from search._plan import Action, Plan
 
 from ._resolve import OUTSIDE_BEFORE, LayerMode, Resolution, decide
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
+from ._accounting import current_accounting
 from ._swap_engine import Packed, SwapEngine
 
 __all__ = ["Executor"]
 
 log = logging.getLogger(__name__)
+
+
+def _accounted_headroom() -> int | None:
+    """Free bytes under the active ``DeviceMemory`` cap, less a tenth of it kept for backward's own
+    allocations; None without a capped accounting (then every scheduled prefetch is issued)."""
+    mem = current_accounting()
+    if mem is None or mem.cap is None:
+        return None
+    return mem.cap - mem.live - mem.cap // 10
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
@@ -133,6 +143,7 @@ class Executor:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             self.engine = SwapEngine(device=device, num_layers=self.num_layers, host_store=host_store,
                                      host_dir=host_dir)
+            self.engine.headroom = _accounted_headroom  # Note: [budget-aware prefetch]
 
     # ================================================================== install / remove
     def install(self) -> None:

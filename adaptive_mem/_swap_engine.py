@@ -10,8 +10,8 @@ layers ahead) or on demand at unpack; unpack blocks only if the reload is
 late. Host buffers return to the pool as soon as their bytes are back on the
 device, so nothing leaks across steps.
 
-Note: [budget-aware prefetch]. With a ``headroom`` callback (the adaptive loop
-sets one) a scheduled prefetch is issued only when it fits in the free device
+Note: [budget-aware prefetch]. With a ``headroom`` callback (the executor sets
+one that reads the active ``DeviceMemory`` cap; the adaptive loop its own) a scheduled prefetch is issued only when it fits in the free device
 bytes minus ``prefetch_reserve``; otherwise it is retried at the next layer's
 backward and, at the latest, reloaded on demand at unpack. A reloaded storage
 keeps its host copy until it is first served, so :meth:`SwapEngine.evict` can

@@ -164,3 +164,31 @@ def test_file_backed_host_store_moves_bytes_out_of_ram():
         assert torch.equal(p.grad, ref_grads[n]), n
     assert peak < plain_peak
     assert not os.path.exists(pool.path), "swap file left behind after remove()"
+
+
+def test_plan_prefetch_stays_under_an_accounted_cap():
+    """Note: [budget-aware prefetch]: prefetching every layer at once would pass the cap; under it
+    the plan's reloads wait for room and the step completes with the same gradients."""
+    bundle = build_model("llama-tiny", seed=0, batch_size=4, seq_len=128)
+    batch = bundle.batch(seed=0)
+
+    def step(plan: Plan, cap: int | None) -> tuple[int, dict]:
+        bundle.model.zero_grad(set_to_none=True)
+        with optimize(bundle.model, plan=plan):
+            gc.collect()
+            mem = DeviceMemory(track_existing=False, cap=cap)
+            mem.track(bundle.model, batch)
+            with mem:
+                bundle.loss(batch).backward()
+        return mem.peak, {n: p.grad.clone() for n, p in bundle.model.named_parameters()}
+
+    def swap_all(prefetch: int) -> Plan:
+        return _plan({f"layers.{i}": {"action": "swap", "backward_prefetch": prefetch} for i in range(4)})
+
+    lazy_peak, grads = step(swap_all(0), None)
+    eager_peak, _ = step(swap_all(4), None)  # no cap: all four layers come back when backward begins
+    cap = eager_peak - 1  # so a step that ignored the cap would pass it
+    assert lazy_peak + cap // 10 < cap, (lazy_peak, eager_peak)
+    peak, capped = step(swap_all(4), cap)
+    assert peak <= cap
+    assert all(torch.equal(capped[n], grads[n]) for n in grads)

@@ -110,7 +110,8 @@ def _comparison(results: dict[str, Any]) -> list[str]:
         return ["No eager competitor and `ours-milp` run both succeeded: nothing to compare."]
     passed = sum(r["verdict"] == "pass" for r in rows)
     failed = sum(r["verdict"] == "fail" for r in rows)
-    lines = [f"For each eager competitor run, our fastest `ours-milp` run whose measured peak is equal or lower; "
+    lines = [f"For each eager competitor run, our fastest `ours-milp` run whose measured peak is equal or lower "
+             f"(budget `= name`: the plan searched for that competitor's own measured peak); "
              f"it passes when its median step time is at most {1 + TIME_TOLERANCE:.2f}x the competitor's. "
              f"**{passed} pass, {failed} fail, {len(rows) - passed - failed} without a run of ours at equal or "
              f"lower memory.**", "",
