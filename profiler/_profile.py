@@ -46,6 +46,10 @@ class HardwareSpec:
     """Device memory capacity in bytes."""
     source: str = ""
     """Where the numbers come from (datasheet, measurement)."""
+    swap_compute_bandwidth: float = 0.0
+    """Bytes/s of swapped activations (out and back) at which swapping also takes compute time, or 0
+    when copies run beside compute (accelerators' copy engines). On CPU the copy shares the cores and
+    the memory bus with compute; ``adaptive_mem.calibrate_swap`` measures it from real steps."""
 
 
 @dataclass(frozen=True)

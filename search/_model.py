@@ -98,6 +98,11 @@ class StepModel:
     def h2d(self, nbytes: int) -> float:
         return nbytes / self.hardware.h2d_bandwidth
 
+    def swap_compute(self, nbytes: int) -> float:
+        """Compute seconds a swap of ``nbytes`` (out and back) costs beside its copies (0 on copy engines)."""
+        bandwidth = self.hardware.swap_compute_bandwidth
+        return nbytes / bandwidth if bandwidth > 0 else 0.0
+
     @property
     def activation_bytes(self) -> int:
         return sum(u.saved for u in self.units)

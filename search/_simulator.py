@@ -143,6 +143,8 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
             hold[i] = (0 if a is Action.SWAP else u.saved) + (u.sac_extra if sac else 0)
             # swapped units' ops are MUST_SAVE (their cached outputs are what is swapped)
             replay += u.sac_replay if sac and a is not Action.SWAP else 0.0
+            if a is Action.SWAP:  # Note: [swap compute] charged before the layer's backward, as replay is
+                replay += model.swap_compute(u.saved)
     return Segment((p,), "sac" if sac else "plain", members, hold, 0, swaps, transient, replay)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -43,7 +44,12 @@ def _instance(seed: int) -> tuple[StepModel, int]:
     else:
         layers = rng.choice([1, 2, 2, 3])
         per = rng.randint(1, 6 // layers) if layers > 1 else rng.randint(2, 5)
-    model = StepModel.build(random_profile(rng, num_layers=layers, units_per_layer=per, identical=rng.random() < 0.5))
+    profile = random_profile(rng, num_layers=layers, units_per_layer=per, identical=rng.random() < 0.5)
+    if seed % 3 == 0:  # Note: [swap compute]: copies that also take compute time (CPU)
+        hw = profile.hardware
+        share = random.Random(seed + 10_000).uniform(0.2, 2.0) * hw.h2d_bandwidth
+        profile = dataclasses.replace(profile, hardware=dataclasses.replace(hw, swap_compute_bandwidth=share))
+    model = StepModel.build(profile)
     keep = simulate_assignment(model, Assignment(tuple([Action.KEEP] * len(model.units)), tuple([1] * len(model.units))))
     budget = model.base + int(rng.uniform(0.3, 1.05) * (keep.peak_bytes - model.base))
     return model, budget

@@ -97,6 +97,22 @@ def test_swap_with_prefetch_one_layer():
     assert copies == [("d2h", 1, 5), ("h2d", 5, 9)]
 
 
+def test_swap_that_also_takes_compute_is_charged_before_the_layer_backward():
+    """Note: [swap compute]: at 500 MiB/s of compute share, swapping 4 MiB costs 8 ms of compute."""
+    import dataclasses
+
+    base = two_layers()
+    hw = dataclasses.replace(base.hardware, swap_compute_bandwidth=500 * MiB)
+    model = StepModel.build(dataclasses.replace(base.profile, hardware=hw))
+    sim = simulate(model, plan(layers__0__a=Decision(Action.SWAP, 1)), record=True)
+    assert sim.step_time == pytest.approx(12 * ms + 8 * ms)
+    assert sim.peak_bytes == STATIC + 16 * MiB and sim.stall_time == 0
+    charged = [(round(iv.start / ms, 6), round(iv.end / ms, 6)) for iv in sim.timeline.intervals
+               if iv.stream == "compute" and iv.kind == "recompute"]
+    assert charged == [(8, 16)]  # after layer 1's backward (4..8 ms), before layer 0's
+    assert simulate(model, plan()).step_time == pytest.approx(12 * ms)  # nothing swapped, nothing charged
+
+
 def test_swap_on_demand_stalls_for_the_whole_copy():
     # d = 0: the reload starts when layers.0.a's backward needs it (t = 10) and takes 4 ms
     sim = simulate(two_layers(), plan(layers__0__a=Decision(Action.SWAP, 0)))

@@ -1,0 +1,38 @@
+"""``calibrate_swap``: the compute share of a swap, measured from real steps and stored in the profile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import profiler
+from adaptive_mem import build_model, calibrate_swap
+
+
+def test_measures_on_a_real_device_and_changes_nothing_else():
+    bundle = build_model("llama-tiny", seed=0, batch_size=4, seq_len=128)
+    prof = profiler.profile_step(bundle, warmup=0, repeat=1)
+    grads = [p.grad for p in bundle.model.parameters()]
+    before = [p.detach().clone() for p in bundle.model.parameters()]
+    out = calibrate_swap(bundle, prof, pairs=2)
+    bandwidth = out.hardware.swap_compute_bandwidth
+    assert bandwidth >= 0 and bandwidth != float("inf")
+    # only that field changed; the model, its gradients and the input profile are untouched
+    assert dataclasses.replace(out.hardware, swap_compute_bandwidth=0.0) == prof.hardware
+    assert prof.hardware.swap_compute_bandwidth == 0.0
+    assert dataclasses.replace(out, hardware=prof.hardware) == prof
+    assert [p.grad for p in bundle.model.parameters()] == grads
+    assert all(torch.equal(a, p) for a, p in zip(before, bundle.model.parameters()))
+    assert not bundle.model._forward_pre_hooks and not bundle.model._forward_hooks
+    # the profile round-trips with the measured field
+    assert profiler.Profile.from_dict(out.to_dict()).hardware.swap_compute_bandwidth == bandwidth
+
+
+def test_fake_profiles_and_bad_pairs():
+    fake = build_model("llama-tiny", device="meta")
+    prof = profiler.profile_step(fake, hardware="h100")
+    assert calibrate_swap(fake, prof) is prof  # estimated times: nothing to measure
+    with pytest.raises(ValueError, match="pairs=0"):
+        calibrate_swap(fake, prof, pairs=0)
