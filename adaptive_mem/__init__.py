@@ -11,10 +11,10 @@ from ._swap_manager import SwapExhaustedError, SwapManager
 from ._oom import OomHook, RetryOnOom
 from ._plan_cache import PlanCache
 from ._adaptive import AdaptiveBudgetError, AdaptiveMemory, adaptive_optimize
-from ._calibrate import calibrate_swap
+from ._calibrate import calibrate
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
            "DeviceMemory", "OptimizeHandle", "optimize",
            "add_memory_arguments", "apply_arguments", "SwapManager", "SwapExhaustedError", "OomHook", "RetryOnOom",
-           "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate_swap"]
+           "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate"]

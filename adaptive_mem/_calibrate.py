@@ -1,10 +1,13 @@
-"""``calibrate_swap``: how much compute a swap really costs here, measured from real steps.
+"""``calibrate``: what the executor's mechanisms cost in compute here, measured from real steps.
 
-The simulator charges a swap its copies on the copy stream; where copies are not free for
-compute (on CPU the copy thread shares the cores and the memory bus, Note: [swap compute] in
-docs/plan-format.md) it also charges bytes / ``hardware.swap_compute_bandwidth``. This module
-measures that bandwidth: forward+backward steps of the plain model and of the model with every
-layer swapped, interleaved, and the slowdown per swapped byte.
+The simulator charges a swap its copies on the copy stream and an op-level recompute its replayed
+ops. Two costs come on top where the device does not hide them (Note: [swap compute] in
+docs/plan-format.md): on CPU the copy thread shares the cores and the memory bus with compute
+(``hardware.swap_compute_bandwidth``), and a selective-checkpoint policy dispatches every op of
+its layer in Python, in forward and replay (``hardware.sac_op_overhead``). This module measures
+both: forward+backward steps of the plain model, of every layer swapped, and of one cheap unit
+per layer recomputed op-level, interleaved; the slowdown beyond what the simulator already
+charges is the cost.
 """
 
 from __future__ import annotations
@@ -18,9 +21,9 @@ from typing import Any
 import torch
 
 from profiler import Profile
-from search import Action, Decision, Plan
+from search import Action, Decision, Plan, simulate
 
-__all__ = ["calibrate_swap"]
+__all__ = ["calibrate"]
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,26 @@ def _step_seconds(bundle: Any, seed: int, device: torch.device) -> float:
     return seconds
 
 
-def calibrate_swap(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
-    """``profile`` with ``hardware.swap_compute_bandwidth`` measured on ``bundle`` (a ModelBundle on a real
-    device): the median of ``pairs`` interleaved plain / swap-every-layer steps, after one warm-up each.
-    A profile without repeated layers, or a slowdown within noise (<= 0), keeps 0 (copies are free)."""
+def _cheapest_unit(profile: Profile) -> str | None:
+    """Local name of the layer-0 unit with saved bytes whose recompute replays the least."""
+    units = [u for u in profile.layer_units(0) if u.saved_bytes > 0 and u.consumers
+             and all(c.startswith(f"{profile.layer_container}.0.") for c in u.consumers)]
+    return min(units, key=lambda u: u.fwd_time).local_name if units else None
+
+
+def _plans(profile: Profile) -> dict[str, Plan]:
+    layers = [f"{profile.layer_container}.{i}" for i in range(profile.num_layers)]
+    plans = {"swap": Plan(decisions={name: Decision(Action.SWAP, backward_prefetch=1) for name in layers})}
+    unit = _cheapest_unit(profile)
+    if unit is not None:
+        plans["sac"] = Plan(decisions={f"{name}.{unit}": Decision(Action.RECOMPUTE) for name in layers})
+    return plans
+
+
+def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
+    """``profile`` with ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
+    ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
+    on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
     from ._optimize import optimize
 
     if pairs < 1:
@@ -50,33 +69,46 @@ def calibrate_swap(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     if profile.layer_container is None or profile.num_layers == 0 or not profile.measured:
         return profile
     device = next(bundle.model.parameters()).device
-    plan = Plan(decisions={f"{profile.layer_container}.{i}": Decision(Action.SWAP, backward_prefetch=1)
-                           for i in range(profile.num_layers)})
+    plans = _plans(profile)
     grads = [(p, p.grad) for p in bundle.model.parameters()]
-    plain, swapped, moved = [], [], []
-    quiet = logging.getLogger("adaptive_mem._resolve")  # the plan's "Set layer swap" lines, once per apply
+    times: dict[str, list[float]] = {"plain": [], **{name: [] for name in plans}}
+    moved: list[int] = []
+    quiet = logging.getLogger("adaptive_mem._resolve")  # the plans' "Set ..." lines, once per apply
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:
         _step_seconds(bundle, 0, device)
-        for k in range(pairs + 1):
-            if k:
-                plain.append(_step_seconds(bundle, k, device))
-            with optimize(bundle.model, plan=plan) as handle:
-                before = handle.swap_stats.offloaded_bytes
-                seconds = _step_seconds(bundle, k, device)
-                if k:  # the first swapped step fills the host pool: warm-up
-                    swapped.append(seconds)
-                    moved.append(handle.swap_stats.offloaded_bytes - before)
+        for k in range(1, pairs + 1):
+            times["plain"].append(_step_seconds(bundle, k, device))
+            for name, plan in plans.items():
+                with optimize(bundle.model, plan=plan) as handle:
+                    _step_seconds(bundle, k, device)  # untimed: the host pool, the layers' SAC traces
+                    stats = handle.swap_stats
+                    before = stats.offloaded_bytes if stats is not None else 0
+                    times[name].append(_step_seconds(bundle, k, device))
+                    if stats is not None:
+                        moved.append(stats.offloaded_bytes - before)
     finally:
         quiet.setLevel(level)
         for p, g in grads:
             p.grad = g
-    delta = statistics.median(swapped) - statistics.median(plain)
-    nbytes = statistics.median(moved)
-    bandwidth = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
-    log.info("swap compute: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step: %s",
-             nbytes / 2**20, delta, statistics.median(plain),
-             f"{bandwidth / 1e9:.2f} GB/s charged to compute" if bandwidth else "free for compute")
-    hardware = dataclasses.replace(profile.hardware, swap_compute_bandwidth=float(bandwidth))
+    plain = statistics.median(times["plain"])
+    hardware = dataclasses.replace(profile.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0)
+    uncalibrated = dataclasses.replace(profile, hardware=hardware)
+    base = simulate(uncalibrated, Plan()).step_time
+    nbytes = statistics.median(moved) if moved else 0
+    delta = statistics.median(times["swap"]) - plain
+    swap_bw = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
+    log.info("calibrate: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step: %s", nbytes / 2**20,
+             delta, plain, f"{swap_bw / 1e9:.2f} GB/s charged to compute" if swap_bw else "free for compute")
+    hardware = dataclasses.replace(hardware, swap_compute_bandwidth=float(swap_bw))
+    overhead = 0.0
+    if "sac" in plans:
+        replay = simulate(uncalibrated, plans["sac"]).step_time - base  # what the simulator charges already
+        ops = sum(len(u.ops) for u in profile.units if u.layer is not None)
+        extra = statistics.median(times["sac"]) - plain - replay
+        overhead = max(0.0, extra / ops) if ops else 0.0
+        log.info("calibrate: op-level recompute in every layer took %+.4f s beyond its replay (%.4f s): "
+                 "%.1f us per op under the selective-checkpoint policy", extra, replay, overhead * 1e6)
+    hardware = dataclasses.replace(hardware, sac_op_overhead=float(overhead))
     return dataclasses.replace(profile, hardware=hardware)

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     from search import StepModel
 
     from ._bench import BenchConfig, run_bench, write_outputs
-    from ._calibrate import calibrate_swap
+    from ._calibrate import calibrate
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         bundle = build_model(args.model)
         log.info("profiling %s (batch %d x seq %d) on cpu", args.model, bundle.batch_size, bundle.seq_len)
         profile = profiler.profile_step(bundle, optimizer="adam")
-        profile = calibrate_swap(bundle, profile)  # Note: [swap compute]
+        profile = calibrate(bundle, profile)  # Note: [swap compute]
     finally:
         torch.set_num_threads(threads)
     print(profiler.format_summary(profile))

@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"optimizer whose state counts as static memory: {', '.join(profiler.OPTIMIZERS)} "
                              "(default adam)")
     parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the Profile JSON here")
-    parser.add_argument("--calibrate-swap", action="store_true",
+    parser.add_argument("--calibrate", action="store_true",
                         help="also measure how much compute a swap costs on this device (a few plain and "
                              "swap-every-layer steps): hardware.swap_compute_bandwidth; real devices only")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
@@ -87,14 +87,14 @@ def run(args: argparse.Namespace) -> int:
     bundle = build_from_args(args)
     log.info("profiling %s (batch %d x seq %d, %s) on %s", bundle.spec, bundle.batch_size, bundle.seq_len,
              str(bundle.dtype).removeprefix("torch."), args.device)
-    if args.calibrate_swap and bundle.is_fake:
-        raise ValueError(f"--calibrate-swap with --device {args.device}: expected a real device (fake tensors "
+    if args.calibrate and bundle.is_fake:
+        raise ValueError(f"--calibrate with --device {args.device}: expected a real device (fake tensors "
                          "have no copies to time)")
     result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower())
-    if args.calibrate_swap:
-        from ._calibrate import calibrate_swap
+    if args.calibrate:
+        from ._calibrate import calibrate
 
-        result = calibrate_swap(bundle, result)
+        result = calibrate(bundle, result)
     print(profiler.format_summary(result, top=top))
     if output is not None:
         result.save(output)

@@ -49,7 +49,10 @@ class HardwareSpec:
     swap_compute_bandwidth: float = 0.0
     """Bytes/s of swapped activations (out and back) at which swapping also takes compute time, or 0
     when copies run beside compute (accelerators' copy engines). On CPU the copy shares the cores and
-    the memory bus with compute; ``adaptive_mem.calibrate_swap`` measures it from real steps."""
+    the memory bus with compute; ``adaptive_mem.calibrate`` measures it from real steps."""
+    sac_op_overhead: float = 0.0
+    """Seconds per aten op of a layer run under a selective-checkpoint policy (the policy's dispatch in
+    forward and in the replay), or 0 when negligible; measured by ``adaptive_mem.calibrate``."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ class UnitInfo:
     sac_replay_all: float = 0.0
     """Forward seconds of this unit's ops the SAC replay runs when the unit *is* recomputed (all its
     ops up to the early stop)."""
+    ops: int = 0
+    """Forward aten ops of the unit (what a selective-checkpoint policy dispatches)."""
     fwd_end: float = 0.0
     """Forward end time of the unit in an unoptimized step (forward has no stalls)."""
     consumers: list[int] = field(default_factory=list)
@@ -97,6 +99,10 @@ class StepModel:
 
     def h2d(self, nbytes: int) -> float:
         return nbytes / self.hardware.h2d_bandwidth
+
+    def sac_overhead(self, ops: int) -> float:
+        """Compute seconds a selective-checkpoint policy adds to a layer of ``ops`` aten ops."""
+        return ops * self.hardware.sac_op_overhead
 
     def swap_compute(self, nbytes: int) -> float:
         """Compute seconds a swap of ``nbytes`` (out and back) costs beside its copies (0 on copy engines)."""
@@ -145,7 +151,7 @@ class StepModel:
                     raise ProfileError(f"profile.units[{i}].ops: index {oi} out of range")
             units.append(UnitInfo(index=i, name=rec.name, local_name=rec.local_name, position=pos,
                                   saved=rec.saved_bytes, output=rec.output_bytes, fwd=rec.fwd_time, bwd=rec.bwd_time, pinned=False,
-                                  sac_extra=extra, sac_replay=replay))
+                                  sac_extra=extra, sac_replay=replay, ops=len(rec.ops)))
         positions: list[list[int]] = [[] for _ in range(n + 2)]
         for u in units:
             positions[u.position].append(u.index)

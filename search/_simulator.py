@@ -145,6 +145,8 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
             replay += u.sac_replay if sac and a is not Action.SWAP else 0.0
             if a is Action.SWAP:  # Note: [swap compute] charged before the layer's backward, as replay is
                 replay += model.swap_compute(u.saved)
+    if sac:  # Note: [swap compute]: the policy's dispatch, in forward and replay, charged likewise
+        replay += model.sac_overhead(sum(model.units[i].ops for i in members))
     return Segment((p,), "sac" if sac else "plain", members, hold, 0, swaps, transient, replay)
 
 

@@ -1,4 +1,4 @@
-"""``calibrate_swap``: the compute share of a swap, measured from real steps and stored in the profile."""
+"""``calibrate``: the compute costs of swaps and op-level recompute, measured from real steps, stored in the profile."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import profiler
-from adaptive_mem import build_model, calibrate_swap
+from adaptive_mem import build_model, calibrate
 
 
 def test_measures_on_a_real_device_and_changes_nothing_else():
@@ -16,23 +16,23 @@ def test_measures_on_a_real_device_and_changes_nothing_else():
     prof = profiler.profile_step(bundle, warmup=0, repeat=1)
     grads = [p.grad for p in bundle.model.parameters()]
     before = [p.detach().clone() for p in bundle.model.parameters()]
-    out = calibrate_swap(bundle, prof, pairs=2)
-    bandwidth = out.hardware.swap_compute_bandwidth
-    assert bandwidth >= 0 and bandwidth != float("inf")
-    # only that field changed; the model, its gradients and the input profile are untouched
-    assert dataclasses.replace(out.hardware, swap_compute_bandwidth=0.0) == prof.hardware
-    assert prof.hardware.swap_compute_bandwidth == 0.0
+    out = calibrate(bundle, prof, pairs=2)
+    bandwidth, overhead = out.hardware.swap_compute_bandwidth, out.hardware.sac_op_overhead
+    assert 0 <= bandwidth < float("inf") and 0 <= overhead < 1e-2
+    # only those fields changed; the model, its gradients and the input profile are untouched
+    assert dataclasses.replace(out.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0) == prof.hardware
+    assert prof.hardware.swap_compute_bandwidth == 0.0 and prof.hardware.sac_op_overhead == 0.0
     assert dataclasses.replace(out, hardware=prof.hardware) == prof
     assert [p.grad for p in bundle.model.parameters()] == grads
     assert all(torch.equal(a, p) for a, p in zip(before, bundle.model.parameters()))
     assert not bundle.model._forward_pre_hooks and not bundle.model._forward_hooks
     # the profile round-trips with the measured field
-    assert profiler.Profile.from_dict(out.to_dict()).hardware.swap_compute_bandwidth == bandwidth
+    assert profiler.Profile.from_dict(out.to_dict()).hardware == out.hardware
 
 
 def test_fake_profiles_and_bad_pairs():
     fake = build_model("llama-tiny", device="meta")
     prof = profiler.profile_step(fake, hardware="h100")
-    assert calibrate_swap(fake, prof) is prof  # estimated times: nothing to measure
+    assert calibrate(fake, prof) is prof  # estimated times: nothing to measure
     with pytest.raises(ValueError, match="pairs=0"):
-        calibrate_swap(fake, prof, pairs=0)
+        calibrate(fake, prof, pairs=0)

@@ -14,7 +14,7 @@ COMMON = {"--debug", "--log-level", "-h", "--help"}
 # subcommand -> its flags (option strings, without the common ones); positionals as "<name>".
 EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
-                "--optimizer", "-o", "--output", "--top", "--calibrate-swap"},
+                "--optimizer", "-o", "--output", "--top", "--calibrate"},
     "demo": {"--out", "--model"},
     "explain": {"--model", "--model-args", "--config", "--recompute-activations", "--recompute-granularity",
                 "--recompute-method", "--recompute-num-layers", "--distribute-saved-activations"},

@@ -45,10 +45,12 @@ def _instance(seed: int) -> tuple[StepModel, int]:
         layers = rng.choice([1, 2, 2, 3])
         per = rng.randint(1, 6 // layers) if layers > 1 else rng.randint(2, 5)
     profile = random_profile(rng, num_layers=layers, units_per_layer=per, identical=rng.random() < 0.5)
-    if seed % 3 == 0:  # Note: [swap compute]: copies that also take compute time (CPU)
-        hw = profile.hardware
-        share = random.Random(seed + 10_000).uniform(0.2, 2.0) * hw.h2d_bandwidth
-        profile = dataclasses.replace(profile, hardware=dataclasses.replace(hw, swap_compute_bandwidth=share))
+    if seed % 3 == 0:  # Note: [swap compute]: copies that also take compute time, policy dispatch cost (CPU)
+        hw, extra = profile.hardware, random.Random(seed + 10_000)
+        share = extra.uniform(0.2, 2.0) * hw.h2d_bandwidth
+        per_op = extra.uniform(0.0, 0.2) * max(u.fwd_time for u in profile.units)
+        profile = dataclasses.replace(profile, hardware=dataclasses.replace(hw, swap_compute_bandwidth=share,
+                                                                            sac_op_overhead=per_op))
     model = StepModel.build(profile)
     keep = simulate_assignment(model, Assignment(tuple([Action.KEEP] * len(model.units)), tuple([1] * len(model.units))))
     budget = model.base + int(rng.uniform(0.3, 1.05) * (keep.peak_bytes - model.base))

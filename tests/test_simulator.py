@@ -113,6 +113,20 @@ def test_swap_that_also_takes_compute_is_charged_before_the_layer_backward():
     assert simulate(model, plan()).step_time == pytest.approx(12 * ms)  # nothing swapped, nothing charged
 
 
+def test_selective_checkpoint_dispatch_is_charged_per_op_of_the_layer():
+    """Note: [swap compute]: 1 ms per op under the policy; layer 0 has two one-op units."""
+    import dataclasses
+
+    base = two_layers()
+    hw = dataclasses.replace(base.hardware, sac_op_overhead=1 * ms)
+    model = StepModel.build(dataclasses.replace(base.profile, hardware=hw))
+    op_level = plan(layers__0__a="recompute")
+    uncharged = simulate(base, op_level).step_time
+    assert simulate(model, op_level).step_time == pytest.approx(uncharged + 2 * ms)
+    whole = plan(layers__0="recompute")  # a whole-layer checkpoint runs no policy: nothing charged
+    assert simulate(model, whole).step_time == pytest.approx(simulate(base, whole).step_time)
+
+
 def test_swap_on_demand_stalls_for_the_whole_copy():
     # d = 0: the reload starts when layers.0.a's backward needs it (t = 10) and takes 4 ms
     sim = simulate(two_layers(), plan(layers__0__a=Decision(Action.SWAP, 0)))

@@ -65,8 +65,8 @@ class BenchConfig:
     """Seconds a single run may take before it is recorded as failed."""
     seed: int = 0
     """Weights and batches seed (the same for every policy)."""
-    calibrate_swap: bool = True
-    """Measure how much compute a swap costs here (``adaptive_mem.calibrate_swap``) before planning."""
+    calibrate: bool = True
+    """Measure how much compute a swap costs here (``adaptive_mem.calibrate``) before planning."""
     match: bool = True
     """Also run ``ours-milp`` at each eager competitor's measured peak (needs ``ours-milp`` in policies)."""
     command: str = ""
@@ -190,7 +190,7 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
     import profiler
     from tqdm import tqdm
 
-    from .._calibrate import calibrate_swap
+    from .._calibrate import calibrate
     from .._model_spec import build_model
 
     bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
@@ -199,8 +199,8 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
         log.info("profiling %s (batch %d x seq %d) for the predictions and plans", config.spec, bundle.batch_size,
                  bundle.seq_len)
         profile = profiler.profile_step(bundle, optimizer="adam")
-        if config.calibrate_swap:
-            profile = calibrate_swap(bundle, profile)  # Note: [swap compute]
+        if config.calibrate:
+            profile = calibrate(bundle, profile)  # Note: [swap compute]
     profile.save(config.out / "profile.json")
     ctx = PrepareContext(profile, config.out)
     tokens = bundle.batch_size * bundle.seq_len
