@@ -299,7 +299,6 @@ class SwapEngine:
                     room -= record.nbytes
         if deferred and layer > 0:
             self._pending.setdefault(layer - 1, []).extend(deferred)
-        self.copier.reap()
 
     def evict(self, needed: int) -> int:
         """Free up to ``needed`` device bytes by dropping reloaded prefetches not yet used, the one needed

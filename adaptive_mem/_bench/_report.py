@@ -118,12 +118,11 @@ def _comparison(results: dict[str, Any]) -> list[str]:
              "| competitor | its budget | its peak (MiB) | its step (s) | ours at budget | our peak (MiB) | "
              "our step (s) | ours / its | verdict |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        theirs = f"| {r['competitor']} | {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} |"
         if r["verdict"] == "no-match":
-            lines.append(f"| {r['competitor']} | {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | "
-                         f"{_s(r['step_time'])} | - | - | - | - | no run of ours at <= its memory |")
+            lines.append(f"{theirs} - | - | - | - | no run of ours at <= its memory |")
             continue
-        lines.append(f"| {r['competitor']} | {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} "
-                     f"| {r['ours_budget_label']} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
+        lines.append(f"{theirs} {r['ours_budget_label']} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
                      f"{r['ratio']:.3f} | {r['verdict']} |")
     return lines
 
