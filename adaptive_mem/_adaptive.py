@@ -280,7 +280,7 @@ class AdaptiveMemory:
         moved0 = self.manager.stats.first_out_bytes
         try:
             prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
-                                         optimizer=self.optimizer, warmup=0, repeat=0, hardware=hardware,
+                                         optimizer=self.optimizer, warmup=0, repeat=0, record=1, hardware=hardware,
                                          optimizer_time=0.0)  # the same for every plan; timing a scratch copy
                                                               # would allocate inside the budget
         except torch.OutOfMemoryError as exc:

@@ -3,7 +3,7 @@
     python benchmarks/bench_profiler.py [--runs 5] [--skip-70b]
 
 1. Overhead: one plain training step (forward + backward) of ``llama-small``
-   vs one ``profiler.profile_step(bundle, warmup=0, repeat=0)`` call (a fully
+   vs one ``profiler.profile_step(bundle, warmup=0, repeat=0, record=1)`` call (a fully
    recorded step: per-op timing, saved-tensor attribution, memory tracking,
    and building the Profile). Runs alternate plain/profiled; medians reported.
    Target: ratio <= 3x.
@@ -40,12 +40,12 @@ def overhead(runs: int) -> dict:
     batch = bundle.batch(seed=0)
     profiler.measure_cpu(dtype=bundle.dtype)  # cached hardware probe: not part of a profiled step
     _plain_step(bundle, batch)  # warm-up
-    profiler.profile_step(bundle, warmup=0, repeat=0)
+    profiler.profile_step(bundle, warmup=0, repeat=0, record=1)
     plain, profiled = [], []
     for _ in range(runs):
         plain.append(_plain_step(bundle, batch))
         start = time.perf_counter()
-        profiler.profile_step(bundle, warmup=0, repeat=0)
+        profiler.profile_step(bundle, warmup=0, repeat=0, record=1)
         profiled.append(time.perf_counter() - start)
     return {
         "model": "llama-small", "batch_size": bundle.batch_size, "seq_len": bundle.seq_len,

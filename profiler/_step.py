@@ -121,6 +121,7 @@ def profile_step(
     optimizer: str | torch.optim.Optimizer | None = None,
     warmup: int = 1,
     repeat: int = 3,
+    record: int = 3,
     optimizer_time: float | None = None,
 ) -> Profile:
     """Profile one training step (forward + backward) of ``target``.
@@ -128,13 +129,17 @@ def profile_step(
     ``target`` is a ``ModelBundle`` (from ``adaptive_mem.build_model``), a
     :class:`StepTarget`, or an ``nn.Module`` with ``inputs`` and ``loss_fn``.
     On a real device times are measured (``warmup`` untimed plain steps, then
-    ``repeat`` timed plain steps whose median is ``step_time``, then one
-    recorded step; ``repeat=0`` takes ``step_time`` from the recorded ops); on
-    fake tensors they are estimated for ``hardware`` (default ``h100``).
+    ``repeat`` timed plain steps whose median is ``step_time``, then ``record``
+    recorded steps whose per-op median times are the ops' times (Note: [op time
+    medians]); ``repeat=0`` takes ``step_time`` from the recorded ops); on fake
+    tensors they are estimated for ``hardware`` (default ``h100``) from one
+    recorded step.
     Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
     ``optimizer_time``: seconds of one optimizer step when the caller knows them; None times a
     scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
     """
+    if record < 1:
+        raise ValueError(f"record={record}: expected at least one recorded step")
     step = _target(target, inputs, loss_fn)
     model = step.model
     fake = step.fake_mode is not None
@@ -149,7 +154,7 @@ def profile_step(
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=rng_devices), (step.fake_mode or contextlib.nullcontext()):
-            recorder, step_time = _record(step, device, hw, fake, warmup, repeat)
+            recorder, step_time = _record(step, device, hw, fake, warmup, repeat, 1 if fake else record)
     finally:
         model.train(was_training)
         for p, grad in saved_grads:
@@ -177,7 +182,7 @@ def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer,
 
 
 def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int,
-            repeat: int) -> tuple[Recorder, float | None]:
+            repeat: int, record: int) -> tuple[Recorder, float | None]:
     model = step.model
     step_time = None
     if not fake:
@@ -185,6 +190,13 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
             _plain_step_seconds(step, device, warmup)
         if repeat > 0:
             step_time = _plain_step_seconds(step, device, repeat)
+    recorders = [_record_once(step, device, hw, fake) for _ in range(record)]
+    _take_median_times(recorders)
+    return recorders[0], step_time
+
+
+def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool) -> Recorder:
+    model = step.model
     _clear_grads(model)
     static_tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
     recorder = Recorder(model, timing="estimate" if fake else "measure", hardware=hw, static=static_tensors,
@@ -201,7 +213,38 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
         recorder.peak_bytes = torch.accelerator.max_memory_allocated(device)
     del loss
     _clear_grads(model)
-    return recorder, step_time
+    return recorder
+
+
+def _take_median_times(recorders: list[Recorder]) -> None:
+    """Give the first recorder's ops the median of their times over every recorder.
+
+    Note: [op time medians] one recorded step times each op once, and on a shared machine a single
+    preemption lands in whichever op was running (one profile charged 170 ms instead of 66 ms to the
+    loss's backward). The medians over a few recorded steps keep such outliers out of every plan's
+    prediction. Bytes, consumers and savers come from the first recording: a deterministic step
+    records the same ops each time, and a step that does not (data-dependent control flow) keeps the
+    first recording's times. Guarded by ``tests/test_profiler.py::test_op_times_are_medians_of_recordings``.
+    """
+    first = recorders[0]
+    same = [r for r in recorders[1:]
+            if [(e.func, e.unit) for e in r.events] == [(e.func, e.unit) for e in first.events]]
+    if len(same) < len(recorders) - 1:
+        log.warning("the recorded steps ran different ops (data-dependent control flow?): op times from the "
+                    "first recording only")
+        return
+    if not same:
+        return
+    for i, event in enumerate(first.events):
+        event.fwd_time = _median([event.fwd_time, *(r.events[i].fwd_time for r in same)])
+        event.bwd_time = _median([event.bwd_time, *(r.events[i].bwd_time for r in same)])
+    first.unattributed_bwd_time = _median([first.unattributed_bwd_time, *(r.unattributed_bwd_time for r in same)])
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,

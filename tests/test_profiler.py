@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -155,6 +157,46 @@ def test_backward_time_is_attributed():
     assert result.unattributed_time < 0.02 * attributed
     assert result.unit("layers.0.attention.flash_attention").bwd_time > result.unit(
         "layers.0.attention.flash_attention").fwd_time
+
+
+_STALLS: list[float] = []  # seconds the next calls of testing::stall_once sleep, one entry per call
+
+
+@torch.library.custom_op("adaptive_mem_testing::stall_once", mutates_args=())
+def _stall_once(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(_STALLS.pop(0) if _STALLS else 0.0)  # a preemption landing in this one op
+    return x.clone()
+
+
+_stall_once.register_autograd(lambda ctx, grad: grad)
+
+
+class _Stalling(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _stall_once(self.proj(x))
+
+
+@pytest.mark.parametrize("record, stalled_call, expect_stall", [(3, 1, False), (1, 0, True)])
+def test_op_times_are_medians_of_recordings(record, stalled_call, expect_stall):
+    # Note: [op time medians] - one stall in one of three recordings stays out of the op's time; the
+    # single recording (the adaptive loop's) keeps it, which shows the stall is really charged to the op.
+    model, x = _Stalling(), torch.randn(4, 16)
+    _STALLS[:] = [0.3 if i == stalled_call else 0.0 for i in range(record)]
+    result = profiler.profile_step(model, inputs=(x,), loss_fn=lambda m, batch: m(*batch).sum(),
+                                   warmup=0, repeat=0, record=record, optimizer_time=0.0)
+    assert not _STALLS
+    (op,) = [o for o in result.ops if "stall_once" in o.op]
+    assert (op.fwd_time >= 0.3) is expect_stall, op.fwd_time
+    assert result.saved_bytes > 0  # bytes still come from the (first) recording
+
+
+def test_recording_count_is_validated():
+    with pytest.raises(ValueError, match="record=0"):
+        profiler.profile_step(build_model("llama-tiny", device="meta"), record=0)
 
 
 def test_measured_times_and_static_memory(tiny_real):

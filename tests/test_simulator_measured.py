@@ -3,9 +3,11 @@
 The profile is measured here (``adaptive-mem profile``), each plan is executed by
 ``adaptive-mem run`` (the executor, with the independent device-memory tracker), and the
 simulator's prediction from the profile is compared: peak within 5 %, step time within 15 %.
-Step times are wall-clock: a machine busy with other work makes them noisy. ``run`` times five
-untracked steps after two accounted ones (Note: [run timing]); the profile carries the optimizer
-step (``Profile.optimizer_time``), which every measured step includes.
+Step times are wall-clock, and on a shared machine a profile or a run taken in a slow spell is off
+by 10-20 %: so three rounds of profile-then-run, and the median of predicted / measured. ``run``
+times five untracked steps after two accounted ones (Note: [run timing]); the profile carries the
+optimizer step (``Profile.optimizer_time``), which every measured step includes, and its op times
+are medians of three recordings (Note: [op time medians]).
 """
 
 from __future__ import annotations
@@ -43,32 +45,43 @@ PLANS = [
 ]
 
 
+ROUNDS = 3
+
+
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Profile once; predict and run (in its own process) every plan: name -> (predicted, peak, step)."""
+    """Rounds of (profile, then every plan predicted and run): name -> [(predicted, peak, step), ...].
+
+    Each round profiles afresh and runs each plan right after its profile, so a slow spell of a
+    shared machine lands in one round's profile and run alike or in one round only; the step-time
+    check takes the median over the rounds of predicted / measured.
+    """
     directory = tmp_path_factory.mktemp("measured")
-    profile_path = directory / "llama-small.json"
-    # Its own process too: after hundreds of tests the pytest process is not what a user profiles in.
-    done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "profile", "--model", "llama-small", "-o",
-                           str(profile_path), "--log-level", "WARNING"], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    profile = Profile.load(profile_path)
-    results = {}
+    results = {name: [] for name, _ in PLANS}
     for name, decisions in PLANS:
-        plan = Plan(decisions=decisions)
-        plan_path = directory / f"{name}.yaml"
-        plan.save(plan_path)
-        results[name] = (simulate(profile, plan), *_run(plan_path))
+        Plan(decisions=decisions).save(directory / f"{name}.yaml")
+    for round_ in range(ROUNDS):
+        profile_path = directory / f"llama-small-{round_}.json"
+        # Its own process too: after hundreds of tests the pytest process is not what a user profiles in.
+        done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "profile", "--model", "llama-small", "-o",
+                               str(profile_path), "--log-level", "WARNING"], capture_output=True, text=True,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr
+        profile = Profile.load(profile_path)
+        for name, _ in PLANS:
+            plan_path = directory / f"{name}.yaml"
+            results[name].append((simulate(profile, Plan.load(plan_path)), *_run(plan_path)))
     return results
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PLANS])
 def test_predicted_peak_matches_measurement(measured, name):
-    predicted, peak, _ = measured[name]
-    assert predicted.peak_bytes == pytest.approx(peak, rel=0.05), (predicted.peak_bytes, peak)
+    for predicted, peak, _ in measured[name]:
+        assert predicted.peak_bytes == pytest.approx(peak, rel=0.05), (predicted.peak_bytes, peak)
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PLANS])
 def test_predicted_step_time_matches_measurement(measured, name):
-    predicted, _, step = measured[name]
-    assert predicted.step_time == pytest.approx(step, rel=0.15), f"predicted {predicted.step_time:.3f} s, measured {step:.3f} s"
+    ratios = sorted(predicted.step_time / step for predicted, _, step in measured[name])
+    rounds = ", ".join(f"{predicted.step_time:.3f} s vs {step:.3f} s" for predicted, _, step in measured[name])
+    assert ratios[len(ratios) // 2] == pytest.approx(1.0, rel=0.15), f"predicted vs measured per round: {rounds}"
