@@ -129,9 +129,9 @@ def profile_step(
     ``target`` is a ``ModelBundle`` (from ``adaptive_mem.build_model``), a
     :class:`StepTarget`, or an ``nn.Module`` with ``inputs`` and ``loss_fn``.
     On a real device times are measured (``warmup`` untimed plain steps, then
-    ``repeat`` timed plain steps whose median is ``step_time``, then ``record``
-    recorded steps whose per-op median times are the ops' times (Note: [op time
-    medians]); ``repeat=0`` takes ``step_time`` from the recorded ops); on fake
+    ``repeat`` timed plain steps whose median is ``step_time``, alternating with
+    ``record`` recorded steps whose per-op median times are the ops' times (Note:
+    [op time medians]); ``repeat=0`` takes ``step_time`` from the recorded ops); on fake
     tensors they are estimated for ``hardware`` (default ``h100``) from one
     recorded step.
     Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
@@ -183,16 +183,21 @@ def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer,
 
 def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int,
             repeat: int, record: int) -> tuple[Recorder, float | None]:
-    model = step.model
-    step_time = None
-    if not fake:
-        if warmup > 0:
-            _plain_step_seconds(step, device, warmup)
-        if repeat > 0:
-            step_time = _plain_step_seconds(step, device, repeat)
-    recorders = [_record_once(step, device, hw, fake) for _ in range(record)]
+    if fake:
+        return _record_once(step, device, hw, fake), None
+    if warmup > 0:
+        _plain_step_seconds(step, device, warmup)
+    # Plain and recorded steps alternate, so each median draws on samples spread over the whole
+    # profile rather than on one stretch of it that a slow spell of the machine may cover.
+    plain: list[float] = []
+    recorders: list[Recorder] = []
+    for i in range(max(repeat, record)):
+        if i < repeat:
+            plain.append(_plain_step_seconds(step, device, 1))
+        if i < record:
+            recorders.append(_record_once(step, device, hw, fake))
     _take_median_times(recorders)
-    return recorders[0], step_time
+    return recorders[0], (_median(plain) if plain else None)
 
 
 def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool) -> Recorder:
