@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -197,7 +198,7 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
         if i < record:
             recorders.append(_record_once(step, device, hw, fake))
     _take_median_times(recorders)
-    return recorders[0], (_median(plain) if plain else None)
+    return recorders[0], (statistics.median(plain) if plain else None)
 
 
 def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool) -> Recorder:
@@ -241,15 +242,10 @@ def _take_median_times(recorders: list[Recorder]) -> None:
     if not same:
         return
     for i, event in enumerate(first.events):
-        event.fwd_time = _median([event.fwd_time, *(r.events[i].fwd_time for r in same)])
-        event.bwd_time = _median([event.bwd_time, *(r.events[i].bwd_time for r in same)])
-    first.unattributed_bwd_time = _median([first.unattributed_bwd_time, *(r.unattributed_bwd_time for r in same)])
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+        event.fwd_time = statistics.median([event.fwd_time, *(r.events[i].fwd_time for r in same)])
+        event.bwd_time = statistics.median([event.bwd_time, *(r.events[i].bwd_time for r in same)])
+    first.unattributed_bwd_time = statistics.median(
+        [first.unattributed_bwd_time, *(r.unattributed_bwd_time for r in same)])
 
 
 def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,

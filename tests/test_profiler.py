@@ -194,6 +194,30 @@ def test_op_times_are_medians_of_recordings(record, stalled_call, expect_stall):
     assert result.saved_bytes > 0  # bytes still come from the (first) recording
 
 
+class _Alternating(torch.nn.Module):
+    """A step with data-independent but call-dependent control flow: relu on odd calls, sigmoid on even."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.proj(x)
+        return torch.relu(h) if self.calls % 2 else torch.sigmoid(h)
+
+
+def test_recordings_of_different_ops_keep_the_first(caplog):
+    model = _Alternating()
+    with caplog.at_level("WARNING", logger="profiler._step"):
+        result = profiler.profile_step(model, inputs=(torch.randn(4, 16),), loss_fn=lambda m, b: m(*b).sum(),
+                                       warmup=0, repeat=0, record=2, optimizer_time=0.0)
+    assert model.calls == 2
+    assert "recorded steps ran different ops" in caplog.text
+    assert any("relu" in o.op for o in result.ops) and not any("sigmoid" in o.op for o in result.ops)
+
+
 def test_recording_count_is_validated():
     with pytest.raises(ValueError, match="record=0"):
         profiler.profile_step(build_model("llama-tiny", device="meta"), record=0)
