@@ -15,12 +15,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import statistics
-import time
 from typing import Any
 
 import torch
 
 from profiler import Profile
+from profiler._timing import timed
 from search import Action, Decision, Plan, simulate
 
 __all__ = ["calibrate"]
@@ -30,13 +30,7 @@ log = logging.getLogger(__name__)
 
 def _step_seconds(bundle: Any, seed: int, device: torch.device) -> float:
     batch = bundle.batch(seed=seed)
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    start = time.perf_counter()
-    bundle.loss(batch).backward()
-    if device.type != "cpu":
-        torch.accelerator.synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds = timed(lambda: bundle.loss(batch).backward(), device)
     for p in bundle.model.parameters():
         p.grad = None
     return seconds

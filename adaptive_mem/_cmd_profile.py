@@ -40,8 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default adam)")
     parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the Profile JSON here")
     parser.add_argument("--calibrate", action="store_true",
-                        help="also measure how much compute a swap costs on this device (a few plain and "
-                             "swap-every-layer steps): hardware.swap_compute_bandwidth; real devices only")
+                        help="also measure the compute that swaps and op-level recompute cost on this device "
+                             "(a few plain, swap-every-layer and one-unit-recomputed steps): "
+                             "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; real devices only")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
 
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import time
+import statistics
 from dataclasses import dataclass
 
 import torch
 
 from ._profile import HardwareSpec
+from ._timing import timed
 
 __all__ = ["HARDWARE", "HardwareError", "hardware_spec", "measure_cpu", "measure_device", "measure_link"]
 
@@ -77,13 +78,10 @@ def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareS
     )
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+def _median_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """Median of ``repeats`` synchronized timings of ``fn`` after one untimed call."""
+    timed(fn, device)
+    return statistics.median([timed(fn, device) for _ in range(repeats)])
 
 
 def measure_cpu(*, dtype: torch.dtype = torch.float32) -> HardwareSpec:
@@ -96,27 +94,14 @@ def measure_device(device: torch.device, *, dtype: torch.dtype = torch.float32) 
     """Measure ``device``: matmul FLOP/s in ``dtype``, memory copy bandwidth, host link (pinned) bandwidth."""
     device = torch.device(device)
     accel = device.type != "cpu"
-
-    def sync() -> None:
-        if accel:
-            torch.accelerator.synchronize(device)
-
-    def seconds(fn) -> float:
-        def once() -> None:
-            fn()
-            sync()
-
-        once()
-        return _median_seconds(once, 5)
-
     n = 2048 if accel else 512
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    flops = 2 * n**3 / seconds(lambda: torch.mm(a, b))
+    flops = 2 * n**3 / _median_seconds(lambda: torch.mm(a, b), device)
     size = (256 if accel else 16) * 2**20
     src = torch.empty(size, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_bw = size / seconds(lambda: dst.copy_(src))
+    copy_bw = size / _median_seconds(lambda: dst.copy_(src), device)
     if accel:
         h2d, d2h = measure_link(device)
         total = _device_memory(device)
@@ -155,14 +140,7 @@ def measure_link(device: torch.device, *, nbytes: int = 64 * 2**20) -> tuple[flo
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
-    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
-        dst.copy_(src, non_blocking=True)
-        torch.accelerator.synchronize(device)
+    def bandwidth(dst: torch.Tensor, src: torch.Tensor) -> float:
+        return nbytes / _median_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 
-        def once() -> None:
-            dst.copy_(src, non_blocking=True)
-            torch.accelerator.synchronize(device)
-
-        return nbytes / _median_seconds(once, 5)
-
-    return timed(dev, host), timed(host, dev)
+    return bandwidth(dev, host), bandwidth(host, dev)

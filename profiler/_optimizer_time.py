@@ -11,13 +11,14 @@ element of parameter, gradient and state is read, and parameter and state are wr
 from __future__ import annotations
 
 import logging
-import time
+import statistics
 
 import torch
 from torch import nn
 
 from ._profile import HardwareSpec
 from ._static import OPTIMIZERS
+from ._timing import timed
 
 __all__ = ["SAMPLE_ELEMENTS", "estimate_optimizer_seconds", "measure_optimizer_seconds"]
 
@@ -82,18 +83,8 @@ def measure_optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Opt
     device = params[0].device
     sample = _sample(params)
     scratch = _scratch_optimizer(optimizer, sample)
-    accel = device.type != "cpu"
-    times = []
-    for i in range(repeat + 1):  # the first step creates the state lazily: untimed
-        if accel:
-            torch.accelerator.synchronize(device)
-        start = time.perf_counter()
-        scratch.step()
-        if accel:
-            torch.accelerator.synchronize(device)
-        if i:
-            times.append(time.perf_counter() - start)
+    times = [timed(scratch.step, device) for _ in range(repeat + 1)][1:]  # the first creates the state lazily
     sampled = sum(t.numel() for t in sample)
-    seconds = sorted(times)[len(times) // 2] * sum(p.numel() for p in params) / sampled
+    seconds = statistics.median(times) * sum(p.numel() for p in params) / sampled
     log.debug("optimizer step: %.4f s (%d of %d elements sampled)", seconds, sampled, sum(p.numel() for p in params))
     return seconds

@@ -18,6 +18,7 @@ from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_secon
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder
 from ._static import static_memory
+from ._timing import timed
 
 __all__ = ["StepTarget", "profile_step"]
 
@@ -95,22 +96,12 @@ def _clear_grads(model: nn.Module) -> None:
         p.grad = None
 
 
-def _plain_step_seconds(target: StepTarget, device: torch.device, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        _clear_grads(target.model)
-        _sync(device)
-        start = time.perf_counter()
-        target.loss().backward()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+def _plain_step_seconds(target: StepTarget, device: torch.device) -> float:
+    """Seconds of one unrecorded forward + backward (``.grad`` cleared before and after)."""
     _clear_grads(target.model)
-    return sorted(times)[len(times) // 2]
-
-
-def _sync(device: torch.device) -> None:
-    if device.type not in ("cpu", "meta"):
-        torch.accelerator.synchronize(device)
+    seconds = timed(lambda: target.loss().backward(), device)
+    _clear_grads(target.model)
+    return seconds
 
 
 def profile_step(
@@ -186,15 +177,15 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
             repeat: int, record: int) -> tuple[Recorder, float | None]:
     if fake:
         return _record_once(step, device, hw, fake), None
-    if warmup > 0:
-        _plain_step_seconds(step, device, warmup)
+    for _ in range(warmup):
+        _plain_step_seconds(step, device)
     # Plain and recorded steps alternate, so each median draws on samples spread over the whole
     # profile rather than on one stretch of it that a slow spell of the machine may cover.
     plain: list[float] = []
     recorders: list[Recorder] = []
     for i in range(max(repeat, record)):
         if i < repeat:
-            plain.append(_plain_step_seconds(step, device, 1))
+            plain.append(_plain_step_seconds(step, device))
         if i < record:
             recorders.append(_record_once(step, device, hw, fake))
     _take_median_times(recorders)
