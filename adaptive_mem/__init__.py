@@ -1,17 +1,17 @@
 """adaptive-mem: keep, recompute or swap every activation under a memory budget."""
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 from ._model_spec import ModelBundle, ModelSpecError, build_model
 from ._flags import add_arguments, add_memory_arguments, apply_arguments
-from ._config import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
-from ._accounting import DeviceMemory
+from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
+from adaptive_mem.runtime._accounting import DeviceMemory
 from ._optimize import OptimizeHandle, optimize
-from ._swap_manager import SwapExhaustedError, SwapManager
-from ._oom import OomHook, RetryOnOom
-from ._plan_cache import PlanCache
-from ._adaptive import AdaptiveBudgetError, AdaptiveMemory, adaptive_optimize
-from ._calibrate import calibrate
+from adaptive_mem.memory._swap_manager import SwapExhaustedError, SwapManager
+from adaptive_mem.memory._oom import OomHook, RetryOnOom
+from adaptive_mem.adaptive._plan_cache import PlanCache
+from adaptive_mem.adaptive._loop import AdaptiveBudgetError, AdaptiveMemory, adaptive_optimize
+from adaptive_mem.adaptive._calibrate import calibrate
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",

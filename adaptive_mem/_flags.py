@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ._args import add_arguments as add_megatron_arguments
+from adaptive_mem.config._megatron_args import add_arguments as add_megatron_arguments
 
 __all__ = ["add_arguments", "add_memory_arguments", "apply_arguments"]
 
@@ -90,7 +90,7 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
         if manual is not None:
             raise ValueError(f"--adaptive-memory-optimization with {manual}: incompatible (a manual plan or swap "
                              "config fixes what the adaptive loop would choose); expected one of them")
-        from ._adaptive import adaptive_optimize
+        from adaptive_mem.adaptive._loop import adaptive_optimize
 
         return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn)
     for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):

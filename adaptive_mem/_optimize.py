@@ -15,9 +15,9 @@ from profiler._fingerprint import input_fingerprint, split_fingerprint, structur
 from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
-from ._executor import Executor
-from ._resolve import LayerMode, Resolution, log_plan, resolve_plan
-from ._swap_engine import SwapStats
+from adaptive_mem.runtime._executor import Executor
+from adaptive_mem.runtime._resolve import LayerMode, Resolution, log_plan, resolve_plan
+from adaptive_mem.runtime._swap_engine import SwapStats
 
 __all__ = ["optimize", "OptimizeHandle", "trace_units"]
 
@@ -75,9 +75,9 @@ def _load_plan(plan: Any, config: Any, model: nn.Module) -> Plan:
         raise ValueError("optimize: plan= and config= both given; expected one of them")
     if config is not None:
         try:
-            from ._config import plan_from_config
+            from .config import plan_from_config
         except ImportError as exc:
-            raise ValueError(f"optimize: config= needs the config front-ends (adaptive_mem._config): {exc}") from None
+            raise ValueError(f"optimize: config= needs the config front-ends (adaptive_mem.config): {exc}") from None
         plan = plan_from_config(config, model=model)
     if plan is None:
         raise ValueError("optimize: no plan; expected plan=Plan|path or config=<MindFormers/Megatron config>")
@@ -181,7 +181,7 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     if budget is not None or adaptive:  # the adaptive loop (issue 6)
         if budget is None or plan is not None or config is not None:
             raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
-        from ._adaptive import adaptive_optimize
+        from adaptive_mem.adaptive._loop import adaptive_optimize
 
         return adaptive_optimize(model, budget=budget, **adaptive)
     if host_store not in ("memory", "file"):
@@ -204,7 +204,7 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     res = resolve_plan(plan, model, units=units)
     if plan.distribute_saved_activations and any(m is LayerMode.WHOLE for m in res.modes):
         try:
-            from ._distributed_checkpoint import distributed_checkpoint  # noqa: F401
+            from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint  # noqa: F401
         except ImportError as exc:
             raise PlanError(f"plan.distribute_saved_activations=true: not available here ({exc})") from None
     executor = Executor(model, plan, res, host_store=host_store, host_dir=host_dir)

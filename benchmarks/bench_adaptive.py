@@ -29,7 +29,7 @@ import torch
 
 import profiler
 from adaptive_mem import DeviceMemory, SwapManager, adaptive_optimize, build_model, optimize
-from adaptive_mem._oom import AccountedHook
+from adaptive_mem.memory._oom import AccountedHook
 from search import Plan, Problem, StepModel, get_solver
 
 

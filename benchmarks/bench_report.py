@@ -2,7 +2,7 @@
 
     python benchmarks/bench_report.py DIR [DIR ...]
 
-The report is a pure function of results.json (``adaptive_mem._bench.render_report``), so a
+The report is a pure function of results.json (``adaptive_mem.bench.render_report``), so a
 results file from an earlier run can be re-rendered after the report format changes, and
 a person can check that every figure in report.md comes from the recorded runs.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from adaptive_mem._bench import load_results, write_outputs
+from adaptive_mem.bench import load_results, write_outputs
 
 
 def main() -> int:

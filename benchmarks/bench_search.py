@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from adaptive_mem._cli import main as cli
+from adaptive_mem.cli._main import main as cli
 from profiler import Profile
 from search import (Budget, InfeasibleBudgetError, Problem, StepModel, fmt_bytes, get_solver, minimum_budget,
                     solver_names)

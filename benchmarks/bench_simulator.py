@@ -26,7 +26,7 @@ from search import Action, Decision, Plan, simulate
 
 
 def _cli(*args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", *args, "--log-level", "WARNING"],
+    done = subprocess.run([sys.executable, "-m", "adaptive_mem.cli._main", *args, "--log-level", "WARNING"],
                           capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"adaptive-mem {' '.join(args)} failed:\n{done.stderr}")

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from adaptive_mem import DeviceMemory
-from adaptive_mem._accounting import host_allocations
+from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.models import PRESETS, LlamaModel
 
 
@@ -120,7 +120,7 @@ def test_agrees_with_memtracker_within_2_percent():
 def test_swap_store_buffers_found_by_gc_scan_are_host_memory():
     # A host-pool buffer made during one step is still alive when the next step's
     # DeviceMemory scans existing tensors: it must not count as device memory.
-    from adaptive_mem._host_pool import MemoryHostPool
+    from adaptive_mem.runtime._host_pool import MemoryHostPool
 
     def scanned_live() -> int:
         with DeviceMemory(track_existing=True) as mem:

@@ -32,7 +32,7 @@ def test_sixty_percent_budget_ooms_without_the_flag_and_trains_exactly_with_it(r
 
     b = bundle()
     opt = optimizer(b.model)
-    caplog.set_level(logging.INFO, logger="adaptive_mem._adaptive")
+    caplog.set_level(logging.INFO, logger="adaptive_mem.adaptive._loop")
     with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache_dir=tmp_path) as am:
         peaks = train(b, opt, STEPS, cap=budget, check=lambda s: assert_grads(b.model, grads[s], s))
         assert len(am.history) == STEPS

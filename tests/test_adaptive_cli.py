@@ -12,7 +12,7 @@ import pytest
 
 
 def test_cli_run_with_the_flag(capsys, tmp_path):
-    from adaptive_mem._cli import main
+    from adaptive_mem.cli._main import main
 
     gc.collect()
     code = main(["run", "--model", "llama-tiny", "--batch-size", "4", "--seq-len", "128", "--optimizer", "sgd",

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from adaptive_mem._bench import compare, load_results, render_report
-from adaptive_mem._cli import main
+from adaptive_mem.bench import compare, load_results, render_report
+from adaptive_mem.cli._main import main
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from adaptive_mem import DeviceMemory, build_model
-from adaptive_mem._bench import PolicyError, get_policy, policy_names
+from adaptive_mem.bench import PolicyError, get_policy, policy_names
 
 
 @pytest.fixture(autouse=True)

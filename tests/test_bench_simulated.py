@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_mem._bench import SimConfig, render_report, simulate_targets
-from adaptive_mem._bench._plots import build_figures
-from adaptive_mem._bench._simulated import model_flops
+from adaptive_mem.bench import SimConfig, render_report, simulate_targets
+from adaptive_mem.bench._plots import build_figures
+from adaptive_mem.bench._simulated import model_flops
 
 CONFIGS = (SimConfig("llama-tiny", micro_batch=2, stages=1, micro_batches=1, dp=1),
            SimConfig("llama-tiny", micro_batch=2, stages=2, micro_batches=4, dp=2))

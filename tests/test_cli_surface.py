@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from adaptive_mem._cli import build_parser
+from adaptive_mem.cli._main import build_parser
 
 COMMON = {"--debug", "--log-level", "-h", "--help"}
 

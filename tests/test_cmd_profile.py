@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_mem import _cmd_demo
-from adaptive_mem._cli import main
+from adaptive_mem.cli import _demo as _cmd_demo
+from adaptive_mem.cli._main import main
 from profiler import Profile
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import _config_seeds as seeds
-from adaptive_mem._cli import main
+from adaptive_mem.cli._main import main
 
 
 def test_explain_prints_one_row_per_layer(tmp_path, capsys):

@@ -7,7 +7,7 @@ import logging
 import pytest
 
 from adaptive_mem import ConfigError, plan_from_config
-from adaptive_mem._config._layers import StageLayout
+from adaptive_mem.config._layers import StageLayout
 from search._plan import Action, Decision
 
 R, S, K = Action.RECOMPUTE, Action.SWAP, Action.KEEP
@@ -122,7 +122,7 @@ def test_select_comm_recompute_forms_and_default_norm_ops():
 
 def test_without_swap_every_layer_logs_one_line_with_its_final_setting(caplog):
     # Note: [per-layer recompute line]
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan_of(cfg(3, recompute={"recompute": [1], "select_recompute": {r"feed_forward\.mul": [2]},
                                   "select_comm_recompute": {r"ffn_norm\.norm": True}}))
     lines = [r.getMessage() for r in caplog.records if " at layer " in r.getMessage()]
@@ -130,7 +130,7 @@ def test_without_swap_every_layer_logs_one_line_with_its_final_setting(caplog):
                      "Set select recompute at layer 1: feed_forward.mul; select comm recompute: ffn_norm.norm",
                      "Set select comm recompute at layer 2: ffn_norm.norm"]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan_of(cfg(2, recompute={"recompute": [1]}))
     assert [r.getMessage() for r in caplog.records if " at layer " in r.getMessage()] == [
         "Set full recompute at layer 0", "Set no recompute at layer 1"]
@@ -149,7 +149,7 @@ def test_a_regex_covering_a_module_keeps_only_the_module():
 
 
 def test_inactive_parallel_keys_are_accepted_and_reported(caplog):
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan = plan_of(cfg(2, recompute={"mp_comm_recompute": True, "parallel_optimizer_comm_recompute": False,
                                          "recompute_slice_activation": True}))
     assert plan.decisions == {}
@@ -183,7 +183,7 @@ def test_default_prefetch_defaults_to_one_and_layer_swap_true_means_all_layers()
 
 
 def test_swap_false_disables_every_swap_key(caplog):
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan = plan_of(cfg(2, swap={"swap": False, "op_swap": [{"op_name": "attention", "backward_prefetch": 1,
                                                                 "layers": [0]}]}))
     assert plan.decisions == {}
@@ -191,7 +191,7 @@ def test_swap_false_disables_every_swap_key(caplog):
 
 
 def test_recompute_wins_over_swap_on_the_same_op_and_inside_a_recomputed_layer(caplog):
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan = plan_of(cfg(3, recompute={"recompute": [0], "select_recompute": {"feed_forward": [1]}},
                            swap={"swap": True,
                                  "layer_swap": [{"backward_prefetch": 2, "layers": [0]}],

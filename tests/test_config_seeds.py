@@ -17,7 +17,7 @@ from adaptive_mem import plan_from_config
 from adaptive_mem.models import LlamaConfig, LlamaModel
 from search._plan import Action, Decision
 
-LOGGER = "adaptive_mem._config"
+LOGGER = "adaptive_mem.config"
 
 
 def tiny_llama(num_layers: int, *, seed: int = 0) -> LlamaModel:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from adaptive_mem._bench import load_results, render_report
-from adaptive_mem._cli import main
+from adaptive_mem.bench import load_results, render_report
+from adaptive_mem.cli._main import main
 
 
 def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from adaptive_mem import ConfigError
-from adaptive_mem._distributed_checkpoint import distributed_checkpoint
+from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint
 from adaptive_mem.models import LlamaConfig, LlamaModel
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32)

@@ -321,7 +321,7 @@ def test_config_front_end_plan_gives_exact_gradients():
 def test_distribute_saved_activations_uses_the_sharded_checkpoint(monkeypatch):
     import torch.distributed as dist
 
-    import adaptive_mem._distributed_checkpoint as dc
+    import adaptive_mem.runtime._distributed_checkpoint as dc
 
     model = _tiny()
     ids = _ids()

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from adaptive_mem._cli import main
-from adaptive_mem._cmd_run import parse_bytes
+from adaptive_mem.cli._main import main
+from adaptive_mem.cli._run import parse_bytes
 from search import Plan
 
 

@@ -84,7 +84,7 @@ def test_block_recomputes_the_first_n_layers_of_each_stage(k, pp, expected):
 
 
 def test_distribute_saved_activations_sets_the_plan_flag_and_logs(caplog):
-    with caplog.at_level(logging.INFO, logger="adaptive_mem._config"):
+    with caplog.at_level(logging.INFO, logger="adaptive_mem.config"):
         plan = plan_for(["--recompute-granularity", "full", "--recompute-method", "block",
                          "--recompute-num-layers", "2", "--distribute-saved-activations"], 4)
     assert plan.distribute_saved_activations is True

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from adaptive_mem import DeviceMemory, RetryOnOom, SwapManager, optimize
-from adaptive_mem._oom import AccountedHook, make_hook, shortfall_of
+from adaptive_mem.memory._oom import AccountedHook, make_hook, shortfall_of
 from search import Plan
 
 from _adaptive_common import assert_grads, bundle, reference

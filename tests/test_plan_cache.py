@@ -7,7 +7,7 @@ import logging
 import torch
 
 from adaptive_mem import PlanCache, adaptive_optimize
-from adaptive_mem._plan_cache import CachedPlan, plan_key
+from adaptive_mem.adaptive._plan_cache import CachedPlan, plan_key
 from search import Plan
 
 from _adaptive_common import assert_grads, bundle, optimizer, reference, train
@@ -32,7 +32,7 @@ def test_second_run_reuses_the_plan_and_changes_miss(tmp_path, caplog):
     assert first.profiles_run == 1 and first.cache_hits == 0 and first.converged
     assert len(list(tmp_path.glob("*.json"))) == 1
 
-    caplog.set_level(logging.INFO, logger="adaptive_mem._adaptive")
+    caplog.set_level(logging.INFO, logger="adaptive_mem.adaptive._loop")
     second = _run(tmp_path, 3, grads)
     assert second.profiles_run == 0 and second.cache_hits == 1, "same fingerprint: no profiling"
     assert second.plan.decisions == first.plan.decisions

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from adaptive_mem._bench import ResultsError, compare, compile_landing, load_results, render_report, save_results
-from adaptive_mem._bench._plots import build_figures, write_figures
-from adaptive_mem._bench._report import TIME_TOLERANCE
+from adaptive_mem.bench import ResultsError, compare, compile_landing, load_results, render_report, save_results
+from adaptive_mem.bench._plots import build_figures, write_figures
+from adaptive_mem.bench._report import TIME_TOLERANCE
 
 MiB = 2**20
 

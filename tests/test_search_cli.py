@@ -8,7 +8,7 @@ import random
 import pytest
 import yaml
 
-from adaptive_mem._cli import main
+from adaptive_mem.cli._main import main
 from search import Plan, StepModel, random_profile, resolve
 
 

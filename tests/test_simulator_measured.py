@@ -29,7 +29,7 @@ LAYERS = 8  # llama-small
 def _run(plan_path) -> tuple[int, float]:
     # Its own process, as a user runs it: the device-memory scan at entry must not find tensors
     # that earlier tests of this pytest process left alive.
-    done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "run", "--model", "llama-small",
+    done = subprocess.run([sys.executable, "-m", "adaptive_mem.cli._main", "run", "--model", "llama-small",
                            "--plan", str(plan_path), "--steps", "7", "--log-level", "WARNING"],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
@@ -63,7 +63,7 @@ def measured(tmp_path_factory):
     for round_ in range(ROUNDS):
         profile_path = directory / f"llama-small-{round_}.json"
         # Its own process too: after hundreds of tests the pytest process is not what a user profiles in.
-        done = subprocess.run([sys.executable, "-m", "adaptive_mem._cli", "profile", "--model", "llama-small", "-o",
+        done = subprocess.run([sys.executable, "-m", "adaptive_mem.cli._main", "profile", "--model", "llama-small", "-o",
                                str(profile_path), "--log-level", "WARNING"], capture_output=True, text=True,
                               timeout=600)
         assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ import threading
 import torch
 
 from adaptive_mem import DeviceMemory
-from adaptive_mem._swap_engine import SwapEngine
+from adaptive_mem.runtime._swap_engine import SwapEngine
 
 
 def _engine(num_layers: int = 4, **kw) -> SwapEngine:

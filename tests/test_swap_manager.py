@@ -8,8 +8,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from adaptive_mem import DeviceMemory, SwapExhaustedError, SwapManager
-from adaptive_mem._oom import AccountedHook
-from adaptive_mem._swap_manager import SwapState
+from adaptive_mem.memory._oom import AccountedHook
+from adaptive_mem.memory._swap_manager import SwapState
 
 from _adaptive_common import assert_grads, bundle, optimizer, reference
 
@@ -170,7 +170,7 @@ def test_prefetched_but_unused_tensors_go_back_out_when_room_is_needed():
 
 def test_rescue_drops_the_applied_plans_unused_prefetches_too():
     """Note: [budget-aware prefetch]: what the plan's engine brought back early is not stuck on the device."""
-    from adaptive_mem._swap_engine import SwapEngine
+    from adaptive_mem.runtime._swap_engine import SwapEngine
 
     b = bundle()
     manager, _ = _managed(b.model)

@@ -1,7 +1,7 @@
 """Run the bench: profile once, prepare every (policy, budget), run each in its own process.
 
 Runs are interleaved across repeats (policy A, B, C, A, B, C, ...) so machine noise hits all
-policies alike; each run is a fresh ``python -m adaptive_mem._bench._worker`` process.
+policies alike; each run is a fresh ``python -m adaptive_mem.bench._worker`` process.
 
 With ``match`` (the default) the first repeat of every eager competitor runs first; its measured
 peak (exact, the same in every repeat) sets the memory budget of one more ``ours-milp`` row, so
@@ -86,7 +86,7 @@ def _spawn(job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]
     result_path = job_path.with_suffix(".result.json")
     env = {**os.environ, "OMP_NUM_THREADS": str(job["threads"])}
     try:
-        proc = subprocess.run([sys.executable, "-m", "adaptive_mem._bench._worker", str(job_path), str(result_path)],
+        proc = subprocess.run([sys.executable, "-m", "adaptive_mem.bench._worker", str(job_path), str(result_path)],
                               capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         return {"status": "failed", "error": f"timed out after {timeout:g} s"}
@@ -190,8 +190,8 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
     import profiler
     from tqdm import tqdm
 
-    from .._calibrate import calibrate
-    from .._model_spec import build_model
+    from adaptive_mem.adaptive._calibrate import calibrate
+    from adaptive_mem._model_spec import build_model
 
     bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
                          seq_len=config.seq_len, seed=config.seed)

@@ -11,7 +11,7 @@ import yaml
 
 from search import Budget, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver, merge_plans, solver_names
 
-from ._search_common import add_profile_arguments, load, positive, stages_of
+from ._common import add_profile_arguments, load, positive, stages_of
 
 NAME = "search"
 HELP = "search a keep/recompute/swap plan minimising step time under a memory budget"
@@ -42,7 +42,7 @@ def _write(plan, fmt: str, path: str, num_layers: int) -> None:
     if fmt == "plan":
         plan.save(path)
         return
-    from ._config import plan_to_megatron, plan_to_mindformers
+    from adaptive_mem.config import plan_to_megatron, plan_to_mindformers
     if fmt == "mindformers":
         Path(path).write_text(yaml.safe_dump(plan_to_mindformers(plan, num_layers=num_layers), sort_keys=False))
     else:

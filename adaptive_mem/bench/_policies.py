@@ -59,7 +59,7 @@ class Policy:
     def prepare(self, ctx: Any, budget: float | None) -> dict[str, Any]:
         """Parent-side work for one run (plan files, predictions); JSON-able, passed to ``apply``.
 
-        ``ctx`` is the runner's :class:`~adaptive_mem._bench._prepare.PrepareContext`."""
+        ``ctx`` is the runner's :class:`~adaptive_mem.bench._prepare.PrepareContext`."""
         if self.predict_solver is None:
             return {}
         return ctx.predict(self.predict_solver, self.name, budget=None)
@@ -148,7 +148,7 @@ class MegatronSelective(Policy):
     predict_solver = "selective"
 
     def apply(self, bundle, optimizer, job):
-        from .._optimize import optimize
+        from adaptive_mem._optimize import optimize
 
         handle = optimize(bundle.model, config=["--recompute-granularity", "selective"])
         return Applied(bundle, handle.remove)

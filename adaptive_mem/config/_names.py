@@ -167,7 +167,7 @@ def layer_names(model: nn.Module | None) -> LayerNames:
 
 @lru_cache(maxsize=1)
 def _reference_names() -> LayerNames:
-    from ..models import LlamaConfig, LlamaModel
+    from adaptive_mem.models import LlamaConfig, LlamaModel
 
     model = LlamaModel(LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                                    max_seq_len=8))

@@ -30,10 +30,10 @@ from torch.utils._pytree import tree_flatten
 from profiler._fingerprint import structure_fingerprint
 from search._plan import Plan
 
-from ._accounting import host_allocations
-from ._oom import OomHook, make_hook
+from adaptive_mem.runtime._accounting import host_allocations
+from adaptive_mem.memory._oom import OomHook, make_hook
 from ._plan_cache import CachedPlan, PlanCache, plan_key
-from ._swap_manager import SwapManager
+from adaptive_mem.memory._swap_manager import SwapManager
 from ._target_search import Move, StepRecord, TargetSearch
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
@@ -448,7 +448,7 @@ class AdaptiveMemory:
 
     # ------------------------------------------------------------------ applying plans
     def _apply(self, plan: Plan | None) -> None:
-        from ._optimize import optimize
+        from adaptive_mem._optimize import optimize
 
         if self._handle is not None:
             self._handle.remove()
@@ -508,7 +508,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
             raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
-    from ._optimize import _APPLIED
+    from adaptive_mem._optimize import _APPLIED
 
     applied = _APPLIED.get(model)
     if applied is not None and applied() is not None and applied().active:

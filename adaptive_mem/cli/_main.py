@@ -16,14 +16,14 @@ from types import ModuleType
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
 
 SUBCOMMANDS: tuple[str, ...] = (
-    "adaptive_mem._cmd_profile",
-    "adaptive_mem._cmd_demo",
-    "adaptive_mem._cmd_explain",
-    "adaptive_mem._cmd_search",
-    "adaptive_mem._cmd_simulate",
-    "adaptive_mem._cmd_pareto",
-    "adaptive_mem._cmd_run",
-    "adaptive_mem._cmd_bench",
+    "adaptive_mem.cli._profile",
+    "adaptive_mem.cli._demo",
+    "adaptive_mem.cli._explain",
+    "adaptive_mem.cli._search",
+    "adaptive_mem.cli._simulate",
+    "adaptive_mem.cli._pareto",
+    "adaptive_mem.cli._run",
+    "adaptive_mem.cli._bench",
 )
 
 

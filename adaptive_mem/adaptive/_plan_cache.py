@@ -41,7 +41,7 @@ def default_cache_dir() -> Path:
 def plan_key(model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int,
              parallel: dict[str, int] | None = None, structure: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(key, described fields)`` for ``model`` stepping on ``inputs`` under ``budget`` bytes."""
-    from . import __version__
+    from adaptive_mem._version import __version__
 
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     fields = {

@@ -7,7 +7,7 @@ import logging
 
 from search import Budget, InfeasibleBudgetError, Problem, StepModel, get_solver, solver_names
 
-from ._search_common import add_profile_arguments, load, positive
+from ._common import add_profile_arguments, load, positive
 
 NAME = "pareto"
 HELP = "plot predicted peak memory vs step time per solver over a sweep of activation budgets"
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     model = StepModel.build(profile, hardware=hardware)
     data = sweep(model, solvers, points, progress=True)
 
-    from ._bench._plots import predicted_pareto
+    from adaptive_mem.bench._plots import predicted_pareto
 
     spec = profile.model.get("spec", "model")
     fig = predicted_pareto(data, title=f"{spec}: predicted step time vs peak memory ({model.hardware.name})")

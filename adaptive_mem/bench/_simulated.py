@@ -61,7 +61,7 @@ def _dtype_bytes(name: str) -> int:
 def _profile(spec: str, micro_batch: int, hardware: str) -> Any:
     import profiler
 
-    from .._model_spec import build_model
+    from adaptive_mem._model_spec import build_model
 
     bundle = build_model(spec, device="meta", dtype="bfloat16", batch_size=micro_batch)
     profile = profiler.profile_step(bundle, hardware=hardware, optimizer="adam")
@@ -136,7 +136,7 @@ def simulate_targets(*, hardware: str = "h100", configs: tuple[SimConfig, ...] =
                    "(6 N T + 12 L h s T, recompute not counted) / step time / P."),
     }
     if pareto_model:
-        from .._cmd_pareto import sweep
+        from adaptive_mem.cli._pareto import sweep
         from search import StepModel
 
         cfg = next((c for c in configs if c.model == pareto_model and c.stages == 1), None)

@@ -8,7 +8,7 @@ import profiler
 from profiler import HardwareSpec, Profile
 from search import Stage, StepModel, split_stages
 
-from ._cmd_profile import positive_int as positive
+from ._profile import positive_int as positive
 
 HARDWARE_NAMES = (*profiler.HARDWARE, "cpu")
 

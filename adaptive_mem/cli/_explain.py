@@ -6,10 +6,10 @@ import argparse
 
 from search._plan import Action, Plan
 
-from ._args import add_arguments as add_megatron_flags
-from ._config import ConfigError, plan_from_config
-from ._config._megatron import MEGATRON_DESTS
-from ._config._names import LayerNames, layer_names
+from adaptive_mem.config._megatron_args import add_arguments as add_megatron_flags
+from adaptive_mem.config import ConfigError, plan_from_config
+from adaptive_mem.config._megatron import MEGATRON_DESTS
+from adaptive_mem.config._names import LayerNames, layer_names
 
 NAME = "explain"
 HELP = "show what a MindFormers recompute_config/swap_config does to each layer of a model (no training)"
@@ -59,7 +59,7 @@ def format_table(rows: list[tuple[str, ...]]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._model_spec import build_model
+    from adaptive_mem._model_spec import build_model
 
     bundle = build_model(args.model, model_args=args.model_args, device="meta")
     names = layer_names(bundle.model)

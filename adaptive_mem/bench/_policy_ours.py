@@ -23,7 +23,7 @@ class MilpPolicy(Policy):
         return ctx.predict("milp", self.name, budget=budget)
 
     def apply(self, bundle, optimizer, job):
-        from .._optimize import optimize
+        from adaptive_mem._optimize import optimize
 
         handle = optimize(bundle.model, plan=job["plan"])
         return Applied(bundle, handle.remove, info={"decisions": len(handle.plan.decisions)})
@@ -41,7 +41,7 @@ class AdaptivePolicy(Policy):
         return {"budget_bytes": ctx.budget_bytes(budget)}
 
     def apply(self, bundle, optimizer, job):
-        from .._adaptive import adaptive_optimize
+        from adaptive_mem.adaptive._loop import adaptive_optimize
 
         budget = int(job["budget_bytes"])
         loop = adaptive_optimize(bundle.model, budget=budget, optimizer=optimizer, cache=False)

@@ -166,7 +166,7 @@ def _solve(bundle: Any, optimizer: torch.optim.Optimizer, job: dict[str, Any]) -
     from torch.distributed._tools.sac_estimator import SACEstimator
     from torch.distributed._tools.sac_ilp import sac_milp
 
-    from .._model_spec import build_model
+    from adaptive_mem._model_spec import build_model
 
     fb = build_model(job["spec"], model_args=job.get("model_args"), batch_size=bundle.batch_size,
                      seq_len=bundle.seq_len, dtype=bundle.dtype, device="meta", seed=int(job.get("seed", 0)))

@@ -50,7 +50,7 @@ def load_config(path: str | os.PathLike) -> dict:
 
 
 def _megatron_namespace(flags: list[str]) -> argparse.Namespace:
-    from .._args import add_arguments
+    from ._megatron_args import add_arguments
 
     parser = argparse.ArgumentParser(prog="megatron flags", add_help=False, exit_on_error=False)
     add_arguments(parser)

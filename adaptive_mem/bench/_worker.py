@@ -1,6 +1,6 @@
 """One bench run in its own process: build the model, apply one policy, measure, write JSON.
 
-    python -m adaptive_mem._bench._worker JOB.json RESULT.json
+    python -m adaptive_mem.bench._worker JOB.json RESULT.json
 
 Protocol (the same for every policy):
 
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._accounting import DeviceMemory
+from adaptive_mem.runtime._accounting import DeviceMemory
 from ._prepare import _thin
 
 __all__ = ["EntryScanMemory", "TimelineMemory", "run_job"]
@@ -76,7 +76,7 @@ def _step(bundle: Any, optimizer: torch.optim.Optimizer, seed: int) -> float:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    from .._model_spec import build_model
+    from adaptive_mem._model_spec import build_model
     from ._policies import get_policy
 
     torch.manual_seed(int(job.get("seed", 0)))

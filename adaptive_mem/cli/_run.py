@@ -51,15 +51,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CPU only: fail with out-of-memory when device memory would exceed this (e.g. 2GiB)")
     parser.add_argument("--host-store", default="memory", choices=["memory", "file"],
                         help="where swapped activations go: host memory or a temporary file (CPU only)")
-    from ._flags import add_memory_arguments
+    from adaptive_mem._flags import add_memory_arguments
 
     add_memory_arguments(parser)  # --adaptive-memory-optimization, --memory-budget, --memory-plan(-cache)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._accounting import DeviceMemory
-    from ._model_spec import build_model
-    from ._optimize import optimize
+    from adaptive_mem.runtime._accounting import DeviceMemory
+    from adaptive_mem._model_spec import build_model
+    from adaptive_mem._optimize import optimize
 
     if args.steps <= 0:
         raise ValueError(f"--steps={args.steps}: expected a positive integer")
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
     handle = None
     if args.adaptive_memory_optimization or args.memory_plan or args.memory_budget or args.memory_plan_cache:
-        from ._flags import apply_arguments
+        from adaptive_mem._flags import apply_arguments
 
         if args.memory_plan and (args.plan or args.config):
             raise ValueError("--memory-plan with --plan/--config: expected one of them")

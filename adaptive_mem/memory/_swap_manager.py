@@ -33,9 +33,9 @@ from torch.utils._pytree import tree_flatten
 
 from profiler._units import find_layers
 
-from ._accounting import host_allocations
-from ._copier import ThreadCopier
-from ._swap_engine import Packed, SwapEngine
+from adaptive_mem.runtime._accounting import host_allocations
+from adaptive_mem.runtime._copier import ThreadCopier
+from adaptive_mem.runtime._swap_engine import Packed, SwapEngine
 
 __all__ = ["SwapManager", "SwapState", "ManagerStats", "SwapExhaustedError"]
 

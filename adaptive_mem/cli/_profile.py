@@ -8,7 +8,7 @@ from pathlib import Path
 
 import profiler
 
-from ._model_spec import FORMS, build_model
+from adaptive_mem._model_spec import FORMS, build_model
 
 NAME = "profile"
 HELP = "profile one training step: per-op saved activations, fwd/bwd times, static memory, link bandwidth"
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                          "have no copies to time)")
     result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower())
     if args.calibrate:
-        from ._calibrate import calibrate
+        from adaptive_mem.adaptive._calibrate import calibrate
 
         result = calibrate(bundle, result)
     print(profiler.format_summary(result, top=top))

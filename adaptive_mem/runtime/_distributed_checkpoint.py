@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ._config._errors import ConfigError
+from adaptive_mem.config._errors import ConfigError
 
 __all__ = ["distributed_checkpoint"]
 

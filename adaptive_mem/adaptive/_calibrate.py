@@ -56,7 +56,7 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     """``profile`` with ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
     ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
     on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
-    from ._optimize import optimize
+    from adaptive_mem._optimize import optimize
 
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
@@ -67,7 +67,7 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     grads = [(p, p.grad) for p in bundle.model.parameters()]
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in plans}}
     moved: list[int] = []
-    quiet = logging.getLogger("adaptive_mem._resolve")  # the plans' "Set ..." lines, once per apply
+    quiet = logging.getLogger("adaptive_mem.runtime._resolve")  # the plans' "Set ..." lines, once per apply
     level = quiet.level
     quiet.setLevel(logging.WARNING)
     try:

@@ -69,8 +69,8 @@ def _positive(flag: str, value: int, minimum: int = 1) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._bench import BenchConfig, get_policy, run_bench, simulate_targets, write_outputs
-    from ._bench._results import RESULTS_FORMAT, RESULTS_VERSION
+    from adaptive_mem.bench import BenchConfig, get_policy, run_bench, simulate_targets, write_outputs
+    from adaptive_mem.bench._results import RESULTS_FORMAT, RESULTS_VERSION
 
     budgets = parse_budgets(args.budgets)
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(results: dict) -> None:
-    from ._bench import compare
-    from ._bench._results import budget_label
+    from adaptive_mem.bench import compare
+    from adaptive_mem.bench._results import budget_label
 
     for r in results["runs"]:
         budget = "" if r["budget"] is None and not r.get("match") else f"@{budget_label(r)}"

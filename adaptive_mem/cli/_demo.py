@@ -15,7 +15,7 @@ from pathlib import Path
 
 import profiler
 
-from ._model_spec import build_model
+from adaptive_mem._model_spec import build_model
 
 NAME = "demo"
 HELP = ("profile the default model (llama-small) on this CPU, search a plan under a budget that forces a "
@@ -53,8 +53,8 @@ def trade_off_budget(model) -> float:
 def run(args: argparse.Namespace) -> int:
     from search import StepModel
 
-    from ._bench import BenchConfig, run_bench, write_outputs
-    from ._calibrate import calibrate
+    from adaptive_mem.bench import BenchConfig, run_bench, write_outputs
+    from adaptive_mem.adaptive._calibrate import calibrate
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():

@@ -6,7 +6,7 @@ import argparse
 
 from search import Plan, fmt_bytes, simulate
 
-from ._search_common import add_profile_arguments, load
+from ._common import add_profile_arguments, load
 
 NAME = "simulate"
 HELP = "predict peak device memory, step time and stalls of a plan on a profile (no training)"

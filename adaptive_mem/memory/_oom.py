@@ -26,7 +26,7 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._accounting import DeviceMemory, current_accounting
+from adaptive_mem.runtime._accounting import DeviceMemory, current_accounting
 
 __all__ = ["OomHook", "AccountedHook", "RetryOnOom", "Rescue", "shortfall_of", "make_hook"]
 

@@ -1,0 +1,1 @@
+"""The closed loop behind --adaptive-memory-optimization: measure, search, apply, cache."""
