@@ -8,7 +8,8 @@ from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_min
 from adaptive_mem.runtime._accounting import DeviceMemory
 from ._optimize import OptimizeHandle, optimize
 from adaptive_mem.memory._swap_manager import SwapExhaustedError, SwapManager
-from adaptive_mem.memory._oom import OomHook, RetryOnOom
+from adaptive_mem.memory._hook import OomHook
+from adaptive_mem.memory._oom import RetryOnOom
 from adaptive_mem.adaptive._plan_cache import PlanCache
 from adaptive_mem.adaptive._loop import AdaptiveBudgetError, AdaptiveMemory, adaptive_optimize
 from adaptive_mem.adaptive._calibrate import calibrate

@@ -36,6 +36,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .models._errors import ModelSpecError
+from .models._hf import HF_FAMILIES, build_hf as _build_hf, hf_unpacked_sequences as _hf_unpacked_sequences
+
 __all__ = ["ModelBundle", "ModelSpecError", "build_model", "parse_model_args", "HF_FAMILIES", "DTYPES"]
 
 log = logging.getLogger(__name__)
@@ -53,10 +56,6 @@ _DEFAULT_BATCH = 2
 _DEFAULT_SEQ = 64
 
 _SIZE_KEY = re.compile(r"(size|layers|heads|dim|experts|positions|vocab|^n_|_tok$|max_seq_len)")
-
-
-class ModelSpecError(ValueError):
-    """A model spec, its arguments or the model it builds is not usable."""
 
 
 @dataclass
@@ -122,22 +121,6 @@ class ModelBundle:
                 f"model spec {self.spec!r}: the model's output has no grad; expected trainable parameters in the graph"
             )
         return loss
-
-
-def _hf_unpacked_sequences() -> contextlib.AbstractContextManager | None:
-    """On fake tensors, tell transformers' mask builder that the batch holds no packed sequences.
-
-    transformers reads ``position_ids`` to detect packed sequences; fake tensors have no values, so it
-    would assume packing and build an explicit mask, a different attention path from the real run.
-    :meth:`ModelBundle.batch` makes one whole sequence per row, so "not packed" is the true answer.
-    """
-    import sys
-    from unittest import mock
-
-    masking = sys.modules.get("transformers.masking_utils")
-    if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
-        return None
-    return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -228,51 +211,6 @@ def _build_preset(
     if seq > config.max_seq_len:
         raise ModelSpecError(f"model spec {name!r}: seq_len={seq}: expected at most max_seq_len={config.max_seq_len}")
     return LlamaModel(config), preset.batch_size if batch is None else batch, seq, config.vocab_size
-
-
-# Tiny defaults: a few layers of width 64, enough to exercise every op of the family in well under a second.
-_TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", _TINY_LLAMA),
-    "qwen2": ("Qwen2Config", _TINY_LLAMA),
-    "mistral": ("MistralConfig", _TINY_LLAMA),
-    "mixtral": ("MixtralConfig", {**_TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gpt2": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
-}
-
-
-def _build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn.Module, int]:
-    if family not in HF_FAMILIES:
-        raise ModelSpecError(f"model spec {spec!r}: unknown family {family!r}; expected hf:<{'|'.join(HF_FAMILIES)}>")
-    try:
-        import transformers
-    except ImportError:
-        raise ModelSpecError(f"model spec {spec!r}: needs transformers (pip install 'adaptive-mem[hf]')") from None
-    class_name, tiny = HF_FAMILIES[family]
-    config_cls = getattr(transformers, class_name)
-    default = config_cls()
-    unknown = sorted(k for k in args if not hasattr(default, k))
-    if unknown:
-        raise ModelSpecError(f"model spec {spec!r}: model_args key {unknown[0]!r}: not an attribute of {class_name}")
-    config = config_cls(**{**tiny, **args})
-    positions = "n_positions" if family == "gpt2" else "max_position_embeddings"
-    if getattr(config, positions) < seq:
-        if positions in args:
-            raise ModelSpecError(f"model spec {spec!r}: seq_len={seq}: expected at most {positions}={args[positions]}")
-        setattr(config, positions, seq)
-    config.use_cache = False
-    try:
-        extra = {}
-        if family == "mixtral":
-            # grouped_mm's meta kernel takes bf16 only; batched_mm runs everywhere (same choice real and fake).
-            bf16 = torch.get_default_dtype() == torch.bfloat16
-            extra["experts_implementation"] = "grouped_mm" if bf16 else "batched_mm"
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **extra)
-    except (ValueError, TypeError, AssertionError) as exc:
-        raise ModelSpecError(f"model spec {spec!r}: {class_name} rejected model_args: {exc}") from None
-    return model, config.vocab_size
 
 
 def _vocab_size(model: nn.Module) -> int:

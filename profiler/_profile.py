@@ -197,6 +197,10 @@ class Profile:
         body["ops"] = [_build(OpRecord, op, f"profile.ops[{i}]") for i, op in enumerate(_list(body, "ops"))]
         body["units"] = [_build(UnitRecord, u, f"profile.units[{i}]") for i, u in enumerate(_list(body, "units"))]
         profile = _build(cls, body, "profile")
+        for key in ("batch_size", "seq_len", "num_layers"):
+            value = profile.model.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ProfileError(f"profile.model.{key}={value!r}: expected a positive integer")
         _check_references(profile)
         return profile
 
@@ -209,10 +213,19 @@ class Profile:
         except UnicodeDecodeError:
             raise ProfileError(f"profile file {str(path)!r}: not UTF-8 text; expected a JSON profile") from None
         try:
-            data = json.loads(text)
+            data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"profile file {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         return cls.from_dict(data)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ProfileError(f"profile: duplicate key {key!r}; expected each key once")
+        out[key] = value
+    return out
 
 
 def _check_references(profile: Profile) -> None:
@@ -274,8 +287,8 @@ def _check(where: str, value: Any, annotation: str) -> None:
     if all(t in _TYPES or t == "None" for t in expected):
         if not any(_is(value, t) for t in expected):
             raise ProfileError(f"{where}={value!r}: expected {' or '.join(expected)}")
-        if any(isinstance(value, float) and value != value for t in expected):
-            raise ProfileError(f"{where}={value!r}: expected a number, not NaN")
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < float("inf"):
+            raise ProfileError(f"{where}={value!r}: expected a number, finite and >= 0")
         return
     if len(expected) == 1 and expected[0].startswith("dict[") and not isinstance(value, dict):
         raise ProfileError(f"{where}={type(value).__name__}: expected an object")
@@ -286,3 +299,5 @@ def _check(where: str, value: Any, annotation: str) -> None:
         for i, element in enumerate(value):
             if not _is(element, item):
                 raise ProfileError(f"{where}[{i}]={element!r}: expected {item}")
+            if isinstance(element, (int, float)) and not 0 <= element < float("inf"):
+                raise ProfileError(f"{where}[{i}]={element!r}: expected a number, finite and >= 0")

@@ -11,14 +11,11 @@ from ._solver import (
     SolveResult,
     Solver,
     SolverStats,
-    UnknownSolverError,
     fmt_bytes,
     fmt_seconds,
-    get_solver,
     plan_from_assignment,
-    register_solver,
-    solver_names,
 )
+from ._registry import UnknownSolverError, get_solver, register_solver, solver_names
 from ._budget import Budget, BudgetError, check_feasible, minimum_budget, parse_bytes
 from ._pipeline import Stage, merge_plans, split_stages
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile

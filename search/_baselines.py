@@ -12,7 +12,7 @@ from typing import Any, Callable
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, simulate_assignment
-from ._solver import Problem, Solver, register_solver
+from ._solver import Problem, Solver
 
 __all__ = ["BASELINES"]
 
@@ -167,5 +167,3 @@ class SwapOnly(Solver):
 
 BASELINES: tuple[type[Solver], ...] = (NoneBaseline, FullRecompute, MegatronSelective, MegatronUniform,
                                        MegatronBlock, ChenSqrt, GreedyKnapsack, MindFormersSwap, SwapOnly)
-for _cls in BASELINES:
-    register_solver(_cls.name, _cls)

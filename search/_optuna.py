@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from ._plan import Action, Plan
 from ._simulator import Assignment, simulate_assignment
-from ._solver import Problem, Solver, plan_from_assignment, register_solver
+from ._solver import Problem, Solver, plan_from_assignment
 
 __all__ = ["OptunaSolver"]
 
@@ -87,6 +87,3 @@ class OptunaSolver(Solver):
                                                     **{f"unit:{k}": "keep" for k in local_names}}))
             return asg, {"iterations": self.trials}
         return best["asg"], {"iterations": self.trials, "extra": {"best_params": study.best_params}}
-
-
-register_solver("optuna", OptunaSolver)

@@ -15,6 +15,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from ._yaml import DuplicateKeyError, safe_load
+
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
 
 PLAN_FORMAT = "adaptive-mem-plan"
@@ -188,7 +190,9 @@ class Plan:
     @classmethod
     def loads(cls, text: str, *, source: str = "<string>") -> "Plan":
         try:
-            data = yaml.safe_load(text)  # YAML is a superset of JSON
+            data = safe_load(text)  # YAML is a superset of JSON
+        except DuplicateKeyError as exc:
+            raise PlanError(f"plan file {source!r}: {exc.problem}; expected each key once") from None
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""

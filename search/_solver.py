@@ -2,7 +2,7 @@
 
 A solver chooses an :class:`Assignment` (per-unit keep / recompute / swap and prefetch
 distances); the result carries the plan, the simulator's verdict on it, and statistics.
-Solvers are looked up by name with :func:`get_solver`.
+Solvers are looked up by name with ``get_solver`` (``_registry.py``).
 """
 
 from __future__ import annotations
@@ -11,21 +11,17 @@ import abc
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ._model import StepModel
 from ._plan import Action, Decision, Plan
 from ._simulator import Assignment, simulate_assignment
 from ._timeline import Simulation
 
-__all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "Solver", "SolverStats",
-           "UnknownSolverError", "fmt_seconds", "get_solver", "register_solver", "solver_names", "plan_from_assignment"]
+__all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "Solver", "SolverStats", "fmt_bytes",
+           "fmt_seconds", "plan_from_assignment"]
 
 log = logging.getLogger(__name__)
-
-
-class UnknownSolverError(ValueError):
-    """No solver of that name."""
 
 
 class InfeasibleBudgetError(ValueError):
@@ -112,29 +108,6 @@ class Solver(abc.ABC):
                  fmt_bytes(sim.peak_bytes), fmt_bytes(problem.budget), sim.step_time, sim.stall_time, elapsed,
                  "" if gap is None else f", gap {gap:.3%}")
         return SolveResult(self.name, plan, PredictedCost.of(sim), stats, problem.budget, asg)
-
-
-_REGISTRY: dict[str, Callable[..., Solver]] = {}
-
-
-def register_solver(name: str, factory: Callable[..., Solver]) -> None:
-    _REGISTRY[name] = factory
-
-
-def solver_names() -> list[str]:
-    _load()
-    return list(_REGISTRY)
-
-
-def get_solver(name: str, **options: Any) -> Solver:
-    _load()
-    if name not in _REGISTRY:
-        raise UnknownSolverError(f"--solver={name!r}: unknown solver; expected one of {', '.join(_REGISTRY)}")
-    return _REGISTRY[name](**options)
-
-
-def _load() -> None:
-    from . import _baselines, _milp, _optuna  # noqa: F401  (register themselves)
 
 
 def fmt_seconds(t: float) -> str:

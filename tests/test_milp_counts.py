@@ -16,7 +16,8 @@ from search._menu import layer_menu
 from search._model import StepModel
 from search._plan import Action
 from search._simulator import Assignment, simulate_assignment
-from search._solver import Problem, get_solver
+from search._registry import get_solver
+from search._solver import Problem
 from search._synthetic import random_profile
 
 

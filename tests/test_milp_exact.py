@@ -11,7 +11,8 @@ import pytest
 from search._model import StepModel
 from search._plan import Action
 from search._simulator import Assignment, couple, simulate_assignment
-from search._solver import InfeasibleBudgetError, Problem, get_solver
+from search._registry import get_solver
+from search._solver import InfeasibleBudgetError, Problem
 from search._synthetic import random_profile
 
 PREFETCH = (0, 1, 2)

@@ -9,7 +9,7 @@ from torch.utils._pytree import tree_flatten
 
 from adaptive_mem import DeviceMemory, SwapExhaustedError, SwapManager
 from adaptive_mem.memory._oom import AccountedHook
-from adaptive_mem.memory._swap_manager import SwapState
+from adaptive_mem.memory._storage import SwapState
 
 from _adaptive_common import assert_grads, bundle, optimizer, reference
 

@@ -23,6 +23,8 @@ from profiler import Profile
 from profiler._timing import timed
 from search import Action, Decision, Plan, simulate
 
+from adaptive_mem.runtime._apply import apply_plan
+
 __all__ = ["calibrate"]
 
 log = logging.getLogger(__name__)
@@ -56,8 +58,6 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     """``profile`` with ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
     ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
     on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
-    from adaptive_mem._optimize import optimize
-
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
     if profile.layer_container is None or profile.num_layers == 0 or not profile.measured:
@@ -75,7 +75,7 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
         for k in range(1, pairs + 1):
             times["plain"].append(_step_seconds(bundle, k, device))
             for name, plan in plans.items():
-                with optimize(bundle.model, plan=plan) as handle:
+                with apply_plan(bundle.model, plan=plan) as handle:
                     _step_seconds(bundle, k, device)  # untimed: the host pool, the layers' SAC traces
                     stats = handle.swap_stats
                     before = stats.offloaded_bytes if stats is not None else 0

@@ -20,7 +20,6 @@ Plans change only between steps: hooks are never added while a forward runs.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -30,10 +29,12 @@ from torch.utils._pytree import tree_flatten
 from profiler._fingerprint import structure_fingerprint
 from search._plan import Plan
 
-from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.memory._oom import OomHook, make_hook
-from ._plan_cache import CachedPlan, PlanCache, plan_key
 from adaptive_mem.memory._swap_manager import SwapManager
+from adaptive_mem.runtime._apply import _APPLIED, apply_plan
+from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
+from ._plan_cache import CachedPlan, PlanCache, plan_key
+from ._planner import Planner
 from ._target_search import Move, StepRecord, TargetSearch
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
@@ -41,18 +42,8 @@ __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRe
 log = logging.getLogger(__name__)
 
 
-class AdaptiveBudgetError(ValueError):
-    """The memory budget is below what the step needs with every swappable activation on the host."""
-
-
-def _fmt(n: float) -> str:
-    from search._solver import fmt_bytes
-
-    return f"{fmt_bytes(n)} ({int(n)} bytes)"
-
-
 # --------------------------------------------------------------------------- the handle
-class AdaptiveMemory:
+class AdaptiveMemory(StepMeasurement, Planner):
     """What :func:`adaptive_optimize` returns; a context manager whose exit (or :meth:`remove`) restores the model."""
 
     def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
@@ -192,10 +183,7 @@ class AdaptiveMemory:
             self._start_shape(tensors, args, kwargs, first)
         elif self._needs_profile:
             self._plan_from_profile(args, kwargs)
-        self.hook.reset_peak()
-        self._rescues0 = self.manager.stats.rescues
-        self._retries0 = self.hook.retries
-        self._step_start = time.perf_counter()
+        self._start_record()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
@@ -220,15 +208,11 @@ class AdaptiveMemory:
         self._in_step = False
         if hasattr(self.hook, "exit"):
             self.hook.exit()
-        seconds = time.perf_counter() - self._step_start
-        rescues = self.manager.stats.rescues - self._rescues0
-        retries = self.hook.retries - self._retries0
-        record = StepRecord(step=len(self.history) + 1, kind=self._kind, target=self.target, peak=self.hook.peak(),
-                            seconds=seconds, rescues=rescues, retries=retries)
+        record = self._record_step()
         self.history.append(record)
         if self._kind in ("warmup", "cached"):
             record.decision = self._describe_pending()
-        elif self.search is not None and (not self.converged or rescues):
+        elif self.search is not None and (not self.converged or record.rescues):
             record.decision = self._adapt(record)
         if self._pending is not False:
             self._apply(self._pending)
@@ -263,128 +247,7 @@ class AdaptiveMemory:
             return
         self._plan_from_profile(args, kwargs)
 
-    def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
-        import profiler
-        from search import StepModel, minimum_budget
-
-        self._needs_profile = False
-        self._kind = "warmup"
-        self._check_static()
-        start = time.perf_counter()
-        hardware = None
-        if self.device.type == "cpu":  # the bandwidth probe's buffers are no device memory of the step
-            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-            with host_allocations():
-                hardware = profiler.hardware_spec("cpu", dtype=dtype)
-        self._busy += 1
-        moved0 = self.manager.stats.first_out_bytes
-        try:
-            prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
-                                         optimizer=self.optimizer, warmup=0, repeat=0, record=1, hardware=hardware,
-                                         optimizer_time=0.0)  # the same for every plan; timing a scratch copy
-                                                              # would allocate inside the budget
-        except torch.OutOfMemoryError as exc:
-            size, what = self.manager.largest_unswappable()
-            raise AdaptiveBudgetError(
-                f"--memory-budget={self.budget}: the step does not fit even with every swappable activation on "
-                f"the host (needed more than the budget {_fmt(self.budget)}; largest unswappable tensor: {what}, "
-                f"{_fmt(size)}): {exc}") from None
-        finally:
-            self._busy -= 1
-        self.profiles_run += 1
-        moved = self.manager.stats.first_out_bytes - moved0
-        if moved:
-            # Note: [profile under rescue] the profiled step survived by swapping; its measured peak is the
-            # budget's, not the plain step's. The activations swapped out were all still alive at the start
-            # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
-            # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
-            log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
-                     "peak is taken as measured + swapped", _fmt(moved))
-            prof.peak_memory += moved
-        self._profile = prof
-        self.manager.set_profile(prof)
-        self._step_model = model = StepModel.build(prof)
-        needed, what = minimum_budget(model)
-        if needed > self.budget:
-            raise AdaptiveBudgetError(
-                f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
-                f"budget {_fmt(self.budget)} ({what})")
-        self._min_needed = needed
-        tol = max(1, int(self.tolerance * self.budget))
-        self.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
-        log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
-                 "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
-        self._pending = self._solve(self.search.target)
-
-    def _check_static(self) -> None:
-        """Parameters and their gradients never leave the device: fail before the step if they cannot fit."""
-        params = {p.untyped_storage()._cdata: p for p in self.model.parameters()}
-        param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
-        grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad and p.grad is None)
-        live = self.hook.live()
-        needed = max(live or 0, param_bytes) + grad_bytes
-        if needed > self.budget:
-            size, what = self.manager.largest_unswappable()
-            raise AdaptiveBudgetError(
-                f"--memory-budget={self.budget}: below the minimum feasible; needed at least {_fmt(needed)} "
-                f"(live device memory and the gradients to come), budget {_fmt(self.budget)}; "
-                f"largest unswappable tensor: {what}, {_fmt(size)}")
-
-    def _profile_loss(self, kwargs: dict) -> Callable[[nn.Module, tuple], torch.Tensor]:
-        loss_fn = self.loss_fn
-
-        def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
-            out = model(*inputs, **kwargs)
-            if loss_fn is not None:
-                return loss_fn(out)
-            first = next(t for t in tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
-                         if isinstance(t, torch.Tensor) and t.is_floating_point())
-            return first.sum()
-        return loss
-
-    def _plan_engines(self) -> list[Any]:
-        executor = getattr(self._handle, "_executor", None)
-        engine = getattr(executor, "engine", None)
-        return [engine] if engine is not None else []
-
-    def _headroom(self) -> int | None:
-        room = self.hook.headroom()
-        live = self.hook.live()
-        if self.budget is not None and live is not None:
-            room = min(room, self.budget - live) if room is not None else self.budget - live
-        return room
-
-    def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
-        if self.manager._no_rescue:
-            return None  # a prefetch that does not fit: it waits for its use
-        return self.manager.exhausted(needed, budget if budget is not None else self.budget)
-
     # ------------------------------------------------------------------ the search
-    def _solve(self, target: int) -> Plan:
-        from search import Problem, get_solver
-        from search._solver import InfeasibleBudgetError
-
-        if target not in self._solved:
-            try:
-                plan = get_solver(self.solver).solve(Problem(self._step_model, target)).plan
-            except InfeasibleBudgetError:
-                plan = self._most_saving_plan()
-                log.info("adaptive memory: no %s plan fits the target %s; using the most memory-saving plan "
-                         "(%s)", self.solver, _fmt(target), self._describe(plan))
-            self._solved[target] = plan
-        return self._solved[target]
-
-    def _most_saving_plan(self) -> Plan:
-        from search import plan_from_assignment, simulate_assignment
-        from search._budget import _min_candidates
-
-        model = self._step_model
-        best = min(_min_candidates(model), key=lambda a: simulate_assignment(model, a).peak_bytes)
-        plan = plan_from_assignment(model, best)
-        plan.meta.update({"solver": "most-saving", "predicted_peak_bytes": simulate_assignment(model, best).peak_bytes,
-                          "predicted_step_time": round(simulate_assignment(model, best).step_time, 9)})
-        return plan
-
     def _adapt(self, record: StepRecord) -> str:
         search = self.search
         assert search is not None
@@ -422,17 +285,6 @@ class AdaptiveMemory:
     def _current_decisions(self) -> dict:
         return self.plan.decisions if self.plan is not None else {}
 
-    def _describe(self, plan: Plan | None) -> str:
-        if plan is None:
-            return "plain model"
-        kinds: dict[str, int] = {}
-        for d in plan.decisions.values():
-            kinds[d.action.value] = kinds.get(d.action.value, 0) + 1
-        meta = plan.meta
-        pred = (f", predicted peak {_fmt(meta['predicted_peak_bytes'])}, step {meta['predicted_step_time']:.4f} s"
-                if "predicted_peak_bytes" in meta else "")
-        return f"plan {dict(sorted(kinds.items())) or 'keep all'}{pred}"
-
     def _describe_pending(self) -> str:
         if self._pending is False:
             return ""
@@ -448,8 +300,6 @@ class AdaptiveMemory:
 
     # ------------------------------------------------------------------ applying plans
     def _apply(self, plan: Plan | None) -> None:
-        from adaptive_mem._optimize import optimize
-
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
@@ -459,27 +309,12 @@ class AdaptiveMemory:
             # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
-            self._handle = optimize(self.model, plan=unchecked, profile=self._profile)
+            self._handle = apply_plan(self.model, plan=unchecked, profile=self._profile)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
                 engine.prefetch_reserve = self.manager.prefetch_reserve
         self.manager.attach()  # innermost again, after the executor's hooks
 
-    def _parallel(self) -> dict[str, int]:
-        sizes = dict(self.parallel)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            sizes.setdefault("world", torch.distributed.get_world_size())
-        return sizes
-
-    def _default_budget(self) -> int:
-        cap = self.hook.capacity()
-        if cap is None and self.device.type != "cpu":
-            cap = torch.accelerator.get_memory_info(self.device)[1] if hasattr(torch.accelerator, "get_memory_info") \
-                else None
-        if cap is None:
-            raise ValueError("memory budget: none given and the device capacity is unknown; expected "
-                             "--memory-budget SIZE (or run under adaptive_mem.DeviceMemory(cap=...) on CPU)")
-        return int(cap)
 
 
 def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, optimizer: Any = None,
@@ -508,8 +343,6 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
             raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
     if not 0 < tolerance < 1:
         raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
-    from adaptive_mem._optimize import _APPLIED
-
     applied = _APPLIED.get(model)
     if applied is not None and applied() is not None and applied().active:
         raise ValueError("adaptive memory optimization: the model already has a plan applied (a manual recompute/"

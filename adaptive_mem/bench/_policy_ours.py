@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._policies import Applied, Policy
+from ._policy_base import Applied, Policy
 
 __all__ = ["MilpPolicy", "AdaptivePolicy"]
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._policies import Applied, Policy, _checkpointed, _undo_all, _wrap_forward, layers_of
+from ._policy_base import Applied, Policy, _checkpointed, _undo_all, _wrap_forward, layers_of
 
 __all__ = ["CompileBudget", "SacIlp"]
 

@@ -136,8 +136,9 @@ def simulate_targets(*, hardware: str = "h100", configs: tuple[SimConfig, ...] =
                    "(6 N T + 12 L h s T, recompute not counted) / step time / P."),
     }
     if pareto_model:
-        from adaptive_mem.cli._pareto import sweep
         from search import StepModel
+
+        from ._sweep import sweep
 
         cfg = next((c for c in configs if c.model == pareto_model and c.stages == 1), None)
         if cfg is not None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
+from pathlib import Path
 
 import profiler
 from profiler import HardwareSpec, Profile
@@ -31,3 +34,26 @@ def stages_of(profile: Profile, hardware: HardwareSpec | None, stages: int, micr
     if stages == 1:
         return [Stage(0, range(profile.num_layers), 1, StepModel.build(profile, hardware=hardware))]
     return split_stages(profile, stages=stages, micro_batches=micro_batches, hardware=hardware)
+
+
+def check_output_path(path: str, *, flag: str) -> None:
+    """Refuse an output path that cannot be written, before any work is done."""
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{flag}={path!r}: is a directory; expected a file path")
+    parent = target.parent if str(target.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"{flag}={path!r}: folder {str(parent)!r} does not exist; expected a path in an existing folder")
+
+
+def write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (a temporary file renamed over it)."""
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent if str(target.parent) else ".")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

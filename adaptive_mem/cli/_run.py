@@ -86,7 +86,14 @@ def run(args: argparse.Namespace) -> int:
             cap = parse_bytes(args.memory_budget, flag="--memory-budget")  # the budget is the CPU device's size
         handle = apply_arguments(model, args, optimizer=opt)
     elif args.plan is not None or args.config is not None:
-        handle = optimize(model, plan=args.plan, config=args.config, host_store=args.host_store)
+        plan = args.plan
+        if plan is not None:  # refuse a plan for other inputs before it logs anything as applied
+            from adaptive_mem.runtime._apply import check_inputs
+            from search import Plan
+
+            plan = Plan.load(plan)
+            check_inputs(plan, model, bundle.batch(seed=args.seed), {})
+        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store)
     else:
         log.info("no --plan or --config: training the plain model")
     on_cpu = bundle.device.type == "cpu"

@@ -11,7 +11,7 @@ import yaml
 
 from search import Budget, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver, merge_plans, solver_names
 
-from ._common import add_profile_arguments, load, positive, stages_of
+from ._common import add_profile_arguments, check_output_path, load, positive, stages_of, write_text_atomic
 
 NAME = "search"
 HELP = "search a keep/recompute/swap plan minimising step time under a memory budget"
@@ -40,13 +40,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _write(plan, fmt: str, path: str, num_layers: int) -> None:
     if fmt == "plan":
-        plan.save(path)
-        return
-    from adaptive_mem.config import plan_to_megatron, plan_to_mindformers
-    if fmt == "mindformers":
-        Path(path).write_text(yaml.safe_dump(plan_to_mindformers(plan, num_layers=num_layers), sort_keys=False))
+        text = plan.dumps(fmt="json" if Path(path).suffix == ".json" else "yaml")
     else:
-        Path(path).write_text(" ".join(plan_to_megatron(plan, num_layers=num_layers)) + "\n")
+        from adaptive_mem.config import plan_to_megatron, plan_to_mindformers
+        if fmt == "mindformers":
+            text = yaml.safe_dump(plan_to_mindformers(plan, num_layers=num_layers), sort_keys=False)
+        else:
+            text = " ".join(plan_to_megatron(plan, num_layers=num_layers)) + "\n"
+    write_text_atomic(path, text)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     stages_n = positive("--pipeline-stages", args.pipeline_stages)
     micro = positive("--micro-batches", args.micro_batches)
     budget = Budget.parse(budget=args.budget, activation_budget=args.activation_budget)
+    check_output_path(args.output, flag="--output")
     profile, hardware = load(args)
     stages = stages_of(profile, hardware, stages_n, micro)
     results = []

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 
 from search import Plan, fmt_bytes, simulate
+from search._match import check_plan_matches
 
-from ._common import add_profile_arguments, load
+from ._common import add_profile_arguments, check_output_path, load
 
 NAME = "simulate"
 HELP = "predict peak device memory, step time and stalls of a plan on a profile (no training)"
@@ -21,6 +22,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile, hardware = load(args)
+    check_plan_matches(plan, profile, source=f"plan file {args.plan!r}")
+    if args.timeline:
+        check_output_path(args.timeline, flag="--timeline")
     sim = simulate(profile, plan, hardware=hardware, record=args.timeline is not None)
     print(f"peak device memory  {fmt_bytes(sim.peak_bytes)} ({sim.peak_bytes} bytes)")
     print(f"step time           {sim.step_time:.6f} s")

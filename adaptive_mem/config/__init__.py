@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 from torch import nn
 
-from search._plan import Plan
+from search._plan import PLAN_FORMAT, Plan
+from search._yaml import DuplicateKeyError, safe_load
 
 from ._errors import ConfigError, fmt
 from ._export import plan_to_megatron, plan_to_mindformers
@@ -36,16 +37,16 @@ def load_config(path: str | os.PathLike) -> dict:
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: cannot read ({exc.strerror})") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load(text)
+    except DuplicateKeyError as exc:
+        raise ConfigError(f"config file {str(path)!r}: {exc.problem}; expected each key once") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {str(path)!r}: not valid YAML{where}") from None
-    if data is None:
-        data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r}: top level is {type(data).__name__}; expected a mapping "
-                          "with recompute_config / swap_config")
+        what = "empty" if data is None else f"top level is {type(data).__name__}"
+        raise ConfigError(f"config file {str(path)!r}: {what}; expected a mapping with recompute_config / swap_config")
     return data
 
 
@@ -89,4 +90,7 @@ def plan_from_config(config: Any, *, model: nn.Module | None, num_layers: int | 
         config = load_config(config)
     if not isinstance(config, dict):
         raise ConfigError(f"config={fmt(config)}: expected {_FORMS}")
+    if config.get("format") == PLAN_FORMAT:
+        raise ConfigError(f"config {source}: an adaptive-mem plan file (format: {PLAN_FORMAT}), not a MindFormers "
+                          "config; expected it as a plan (--plan, or plan= in Python)")
     return plan_from_mindformers(config, names=names, num_layers=num_layers, source=source)

@@ -91,6 +91,9 @@ def plan_from_mindformers(data: dict, *, names: LayerNames, num_layers: int | No
     if data.get("recompute_config") is not None:
         recompute = parse_recompute(data["recompute_config"], layout=layout, names=names, swap_mode=swap_mode)
     swap = parse_swap(swap_section, names=names, num_layers=n)
+    if "recompute_config" not in data and "swap_config" not in data:
+        raise ConfigError(f"config {source}: neither recompute_config nor swap_config; expected a MindFormers config "
+                          "with at least one of them")
 
     plan = Plan(model={"num_layers": n},
                 meta={"source": "mindformers", "config": source, "pipeline_stage": pp, "pp_interleave_num": vv,

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._oom import OomHook, Rescue
+from ._hook import OomHook, Rescue
 
 __all__ = ["CudaAllocatorHook"]
 

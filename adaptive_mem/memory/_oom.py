@@ -1,6 +1,6 @@
-"""The allocator hook: when an allocation fails, ask for ``needed`` bytes to be freed, then retry.
+"""The allocator hooks for CPU and any device, and :func:`make_hook`, which picks one for a device.
 
-One interface, :class:`OomHook`, with three back-ends:
+The interface, :class:`OomHook`, is in ``_hook.py``; it has three back-ends:
 
 * :class:`AccountedHook` (CPU, tested): the executor's :class:`DeviceMemory`
   counts device bytes exactly and calls its ``on_oom`` hooks before refusing
@@ -28,48 +28,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_mem.runtime._accounting import DeviceMemory, current_accounting
 
+from ._hook import OomHook, Rescue
+
+# OomHook and Rescue are re-exported: callers that pick a hook with make_hook get its type here too.
 __all__ = ["OomHook", "AccountedHook", "RetryOnOom", "Rescue", "shortfall_of", "make_hook"]
 
 log = logging.getLogger(__name__)
-
-Rescue = Callable[[int], bool]
-
-
-class OomHook:
-    """Where allocation failures meet the SwapManager; also the live/peak bytes the adaptive loop watches."""
-
-    name = "none"
-    retries = 0
-    """Allocations retried after a rescue."""
-
-    def __init__(self, rescue: Rescue) -> None:
-        self.rescue = rescue
-        self.retries = 0
-        self.exhausted: Callable[[int, int | None], BaseException | None] | None = None
-        """``(needed, budget) -> error`` raised when a rescue could not make room (None: the device's own error)."""
-
-    def begin_step(self) -> None:
-        """Called at the start of every step (find the accounting / allocator of this step)."""
-
-    def live(self) -> int | None:
-        return None
-
-    def peak(self) -> int | None:
-        return None
-
-    def reset_peak(self) -> None:
-        pass
-
-    def capacity(self) -> int | None:
-        """Bytes the device may hold, when known."""
-        return None
-
-    def headroom(self) -> int | None:
-        cap, live = self.capacity(), self.live()
-        return None if cap is None or live is None else cap - live
-
-    def remove(self) -> None:
-        pass
 
 
 class AccountedHook(OomHook):

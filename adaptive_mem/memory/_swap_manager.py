@@ -9,20 +9,14 @@ minus its reload time), through the :class:`SwapEngine`'s copy machinery. A
 swapped storage comes back when backward reaches the layer before its owner
 (prefetch, only into free headroom) or at unpack.
 
-Note: [never swap a tensor in use]. A storage is a candidate only while the
-manager's slots are its sole owners: the storage's use count equals the
-tensors the slots hold (plus their view bases) and no Python reference to
-those tensors exists outside the slots. An op reading the tensor holds a
-reference to it, so a running op's inputs are never swapped; nor is a slot
-autograd has unpacked. Swapping a shared storage would free nothing.
+The per-storage records are in ``_storage.py`` (with Note: [never swap a tensor
+in use]); the order in which storages go out is ``_eviction.py``'s.
 """
 
 from __future__ import annotations
 
-import enum
 import functools
 import logging
-import sys
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,18 +29,14 @@ from profiler._units import find_layers
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier
-from adaptive_mem.runtime._swap_engine import Packed, SwapEngine
+from adaptive_mem.runtime._swap_engine import SwapEngine
+
+from ._eviction import EvictionPolicy
+from ._storage import Slot, StorageGroup, SwapState
 
 __all__ = ["SwapManager", "SwapState", "ManagerStats", "SwapExhaustedError"]
 
 log = logging.getLogger(__name__)
-
-
-class SwapState(str, enum.Enum):
-    DEVICE = "device"
-    COPYING_OUT = "copying-out"
-    HOST = "host"
-    COPYING_IN = "copying-in"
 
 
 class SwapExhaustedError(torch.OutOfMemoryError):
@@ -72,47 +62,6 @@ class ManagerStats:
     """Prefetched storages sent back to the host before use to make room."""
 
 
-class _Slot:
-    """What autograd holds for one saved tensor."""
-
-    __slots__ = ("group", "tensor", "packed", "outer_unpack", "used", "__weakref__")
-
-    def __init__(self, group: "_Group", tensor: torch.Tensor, outer_unpack: Callable[[Any], Any] | None) -> None:
-        self.group = group
-        self.tensor: torch.Tensor | None = tensor
-        self.packed: Packed | None = None
-        self.outer_unpack = outer_unpack
-        self.used = False
-
-
-class _Group:
-    """All saved tensors sharing one storage."""
-
-    __slots__ = ("key", "storage", "nbytes", "seq", "layer", "unit", "slots", "record", "__weakref__")
-
-    def __init__(self, key: int, storage: torch.UntypedStorage, seq: int, layer: int, unit: str) -> None:
-        self.key = key
-        self.storage = weakref.ref(storage)
-        self.nbytes = storage.nbytes()
-        self.seq = seq
-        self.layer = layer
-        self.unit = unit
-        self.slots: list[weakref.ref] = []
-        self.record: Any = None
-
-    def live_slots(self) -> list[_Slot]:
-        return [s for s in (r() for r in self.slots) if s is not None]
-
-    @property
-    def state(self) -> SwapState:
-        rec = self.record
-        if rec is None:
-            return SwapState.DEVICE
-        if rec.h2d is not None:
-            return SwapState.DEVICE if rec.h2d.finished else SwapState.COPYING_IN
-        return SwapState.HOST if rec.d2h.finished else SwapState.COPYING_OUT
-
-
 class SwapManager:
     """Tracks saved activations of ``model``'s forwards; frees device memory on demand.
 
@@ -127,7 +76,7 @@ class SwapManager:
                        if self.layers_info else [])
         self.engine = SwapEngine(device=self.device, num_layers=len(self.layers))
         self.stats = ManagerStats()
-        self._groups: dict[int, _Group] = {}
+        self._groups: dict[int, StorageGroup] = {}
         self._seq = 0
         self._layer: int | None = None
         self._inside = False
@@ -137,8 +86,7 @@ class SwapManager:
         self._pushed: list[bool] = []
         self._handles: list[Any] = []
         self._no_rescue = 0
-        self._bwd_before: dict[int, float] = {}
-        self._h2d = 0.0
+        self.policy = EvictionPolicy(num_layers=len(self.layers))
         self.headroom: Callable[[], int | None] = lambda: None
         """Free device bytes now, or None when unknown (then nothing is prefetched: reloads happen at use)."""
         self.engines: Callable[[], list[SwapEngine]] = lambda: []
@@ -178,20 +126,7 @@ class SwapManager:
 
     def set_profile(self, profile: Any) -> None:
         """Backward seconds before each layer's backward starts, and the reload bandwidth."""
-        after = len(self.layers)
-        per_layer: dict[int, float] = {}
-        seen_layer = False
-        for unit in profile.units:
-            seen_layer = seen_layer or unit.layer is not None
-            pos = unit.layer if unit.layer is not None else (after if seen_layer else -1)
-            per_layer[pos] = per_layer.get(pos, 0.0) + unit.bwd_time
-        before: dict[int, float] = {}
-        acc = 0.0
-        for pos in sorted(per_layer, reverse=True):
-            before[pos] = acc
-            acc += per_layer[pos]
-        self._bwd_before = before
-        self._h2d = float(getattr(profile.hardware, "h2d_bandwidth", 0.0) or 0.0)
+        self.policy.set_profile(profile)
 
     # ------------------------------------------------------------------ forward hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
@@ -255,10 +190,10 @@ class SwapManager:
         self._seq += 1
         group = self._groups.get(key)
         if group is None or group.storage() is not st or group.record is not None:
-            group = _Group(key, st, self._seq, self._position(), self._path[-1] if self._path else "")
+            group = StorageGroup(key, st, self._seq, self._position(), self._path[-1] if self._path else "")
             self._groups[key] = group
         group.seq = self._seq  # next use in backward follows the last save
-        slot = _Slot(group, inner, outer_unpack)
+        slot = Slot(group, inner, outer_unpack)
         group.slots.append(weakref.ref(slot))
         return slot
 
@@ -266,7 +201,7 @@ class SwapManager:
         if isinstance(packed, tuple):
             _, inner, outer_unpack = packed
             return outer_unpack(inner) if outer_unpack is not None else inner
-        slot: _Slot = packed
+        slot: Slot = packed
         slot.used = True
         if slot.tensor is not None:
             t = slot.tensor
@@ -278,7 +213,7 @@ class SwapManager:
         return slot.outer_unpack(t) if slot.outer_unpack is not None else t
 
     # ------------------------------------------------------------------ queries
-    def groups(self) -> list[_Group]:
+    def groups(self) -> list[StorageGroup]:
         """Storages in flight (pruned of those autograd has released)."""
         dead = [k for k, g in self._groups.items() if not g.live_slots()]
         for k in dead:
@@ -288,43 +223,9 @@ class SwapManager:
     def in_flight_bytes(self, state: SwapState | None = None) -> int:
         return sum(g.nbytes for g in self.groups() if state is None or g.state is state)
 
-    def _exclusive(self, group: _Group) -> bool:
+    def _exclusive(self, group: StorageGroup) -> bool:
         """Note: [never swap a tensor in use]."""
-        slots = group.live_slots()
-        st = group.storage()
-        if st is None or not slots or any(s.used or s.tensor is None for s in slots):
-            return False
-        tensors: dict[int, torch.Tensor] = {}
-        holders: dict[int, int] = {}
-        for s in slots:
-            tensors[id(s.tensor)] = s.tensor
-            holders[id(s.tensor)] = holders.get(id(s.tensor), 0) + 1
-        for tid in tensors:
-            # references: the slots' attributes, the ``tensors`` dict and getrefcount's argument
-            if sys.getrefcount(tensors[tid]) - holders[tid] - 2 > 0:
-                return False
-        bases: dict[int, torch.Tensor] = {}
-        for tid in tensors:
-            base = tensors[tid]._base
-            if base is not None and id(base) not in tensors:
-                bases[id(base)] = base
-            del base
-        for bid in bases:
-            # A view's base held by anyone (e.g. the caller's local variable) keeps the storage alive. References
-            # when nobody holds it: the ``bases`` dict, getrefcount's argument, and the one the view's autograd
-            # metadata keeps on the base's Python object (measured: 3 unheld, 4 held by one local).
-            if sys.getrefcount(bases[bid]) - 3 > 0:
-                return False
-        impls = set(tensors) | set(bases)
-        # the storage's owners: the tensors above (and their bases) plus the ``st`` reference here
-        return torch._C._storage_Use_Count(st._cdata) <= len(impls) + 1
-
-    def _score(self, group: _Group) -> float:
-        if not self._bwd_before:
-            return -float(group.seq)
-        until = self._bwd_before.get(group.layer, 0.0)
-        reload = group.nbytes / self._h2d if self._h2d > 0 else 0.0
-        return until - reload - group.seq * 1e-12
+        return group.exclusive()
 
     def largest_unswappable(self) -> tuple[int, str]:
         """Largest device tensor the manager cannot move: in-use activations or parameters."""
@@ -352,12 +253,7 @@ class SwapManager:
         """Swap out storages until ``needed`` bytes are released; True if anything was."""
         if self._no_rescue or needed <= 0:
             return False
-        groups = self.groups()
-        candidates = sorted((g for g in groups if g.record is None and self._exclusive(g)), key=self._score,
-                            reverse=True)
-        # then what a prefetch brought back too early: it goes out again (it is needed soonest: last)
-        candidates += sorted((g for g in groups if g.record is not None and g.record.h2d is not None
-                              and not any(s.used for s in g.live_slots())), key=self._score, reverse=True)
+        candidates = self.policy.candidates(self.groups())
         freed = 0
         with host_allocations():  # the copy bookkeeping aliases existing storages: no device bytes
             for group in candidates:
@@ -398,7 +294,7 @@ class SwapManager:
                 drained = True
         return drained
 
-    def _swap_out(self, group: _Group) -> bool:
+    def _swap_out(self, group: StorageGroup) -> bool:
         slots = [s for s in group.live_slots() if s.tensor is not None]
         if not slots:  # released (e.g. by the garbage collector) since it was chosen
             return False
@@ -411,7 +307,7 @@ class SwapManager:
         self.engine.copier.wait(group.record.d2h)  # the device bytes are free once the copy landed
         return True
 
-    def _evict(self, group: _Group) -> bool:
+    def _evict(self, group: StorageGroup) -> bool:
         """Send a reloaded, not yet used storage back to the host (a fresh copy of the reloaded bytes)."""
         slots = [s for s in group.live_slots() if s.packed is not None and not s.used]
         if not slots:

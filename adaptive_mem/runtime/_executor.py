@@ -12,32 +12,32 @@ What gets installed, and only when the plan needs it (an all-keep plan installs 
   begins that layer) and on the model output (backward begins).
 
 :meth:`Executor.remove` deletes the instance forwards and every hook handle.
+
+This module holds the layer-level part (install / remove, whole-layer and group
+recompute, hooks); selective checkpoint and the op-level swap path (the
+dispatch mode and saved-tensor hooks) are in ``_op_level.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import weakref
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
 from profiler._units import UnitNamer
 from search._plan import Action, Plan
 
-from ._resolve import OUTSIDE_BEFORE, LayerMode, Resolution, decide
-from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
 from ._accounting import current_accounting
-from ._swap_engine import Packed, SwapEngine
+from ._op_level import OpLevelPaths, SacLayer
+from ._resolve import LayerMode, Resolution
+from ._sac_policy import OpCounter
+from ._swap_engine import SwapEngine
 
 __all__ = ["Executor"]
-
-log = logging.getLogger(__name__)
 
 
 def _accounted_headroom() -> int | None:
@@ -71,53 +71,7 @@ def _with_hidden(args: tuple, kwargs: dict, h: torch.Tensor) -> tuple[tuple, dic
                        "(expected a tensor as first argument or hidden_states=)")
 
 
-class _Tracker(TorchDispatchMode):
-    """Records which swap unit produced each storage during forward."""
-
-    def __init__(self, executor: "Executor") -> None:
-        super().__init__()
-        self.ex = executor
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        ex = self.ex
-        if ex._opaque or ex._quiet_layer:
-            return out
-        unit = ex.namer.name(func)
-        if unit is None:
-            return out
-        info = ex._swap_info(unit)
-        if info is not None:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
-                    ex._producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
-        return out
-
-
-class _SwappedEntry:
-    """Stands in a selective-checkpoint cache slot for a swapped output; reloads on first use."""
-
-    def __init__(self, packed: Packed) -> None:
-        self.packed: Packed | None = packed
-
-    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
-        packed, self.packed = self.packed, None
-        assert packed is not None, "selective-checkpoint cache entry read twice"
-        return packed.unpack()
-
-
-class _SacLayer:
-    def __init__(self, index: int, counter: OpCounter) -> None:
-        self.index = index
-        self.counter = counter
-        self.trace: LayerTrace | None = None
-        self.actions: dict[str, str] = {}
-        self.policy: SacPolicy | None = None
-        self.swap_outputs: dict[int, str] = {}
-
-
-class Executor:
+class Executor(OpLevelPaths):
     def __init__(self, model: nn.Module, plan: Plan, res: Resolution, *, host_store: str = "memory",
                  host_dir: str | None = None) -> None:
         self.model = model
@@ -137,7 +91,7 @@ class Executor:
         self._swap_layers = {i for i, m in enumerate(res.modes) if m is LayerMode.SWAP}
         self._pushed: list[tuple[Any, Any] | None] = []
         self._group_outputs: dict[int, tuple[torch.Tensor | None, Any]] = {}
-        self._sac: dict[int, _SacLayer] = {}
+        self._sac: dict[int, SacLayer] = {}
         self.engine: SwapEngine | None = None
         if plan.targets(Action.SWAP):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -156,7 +110,7 @@ class Executor:
             elif mode is LayerMode.WHOLE:
                 self._set_forward(i, self._whole(i))
             elif mode is LayerMode.SAC:
-                self._sac[i] = _SacLayer(i, OpCounter(self.namer))
+                self._sac[i] = SacLayer(i, OpCounter(self.namer))
                 self._set_forward(i, self._selective(i))
         needs_names = res.swap_outside_sac or bool(self._sac)
         if needs_names:
@@ -272,131 +226,6 @@ class Executor:
                                    "groups need layers that feed each other directly")
             return out
         return forward
-
-    def _selective(self, i: int) -> Callable[..., Any]:
-        orig = self._orig(i)
-        layer = self.layers[i]
-        state = self._sac[i]
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            saved_stack = self.namer._stack
-            self.namer._stack = [(layer, {})]
-            state.counter.reset()
-            self._opaque += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                self._opaque -= 1
-                self.namer._stack = saved_stack
-
-        def context_fn() -> tuple[Any, Any]:
-            fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(state.policy)
-            contexts.append(fwd_ctx)
-            return fwd_ctx, rec_ctx
-
-        contexts: list[Any] = []
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return orig(*args, **kwargs)
-            if state.trace is None:
-                self._prepare_sac(state, run, args, kwargs)
-            state.swap_outputs = {}
-            contexts.clear()
-            out = checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-            if state.swap_outputs:
-                self._swap_cache_entries(state, contexts[0])
-            contexts.clear()
-            return out
-        return forward
-
-    def _prepare_sac(self, state: _SacLayer, run: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        state.trace = trace = trace_layer(run, state.counter, args, kwargs)
-        actions = {u: decide(self.plan, u).action for u in trace.units}
-        for unit in trace.units:
-            if actions[unit] is Action.SWAP:
-                recomputed = sorted(c for c in trace.consumers.get(unit, ()) if actions.get(c) is Action.RECOMPUTE)
-                if recomputed:
-                    log.info("Swap of %s dropped: its output is consumed by recomputed %s", unit, recomputed[0])
-                    actions[unit] = Action.KEEP
-        state.actions = {u: a.value for u, a in actions.items()}
-        if self.engine is None:
-            assert all(a != "swap" for a in state.actions.values())
-
-        def on_swap_output(out: Any, unit: str) -> None:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    state.swap_outputs[t.untyped_storage()._cdata] = unit
-
-        state.policy = SacPolicy(state.counter, trace,
-                                 lambda unit: state.actions.get(unit) or decide(self.plan, unit).action.value,
-                                 on_swap_output)
-
-    def _swap_cache_entries(self, state: _SacLayer, fwd_ctx: Any) -> None:
-        """Offload the selective-checkpoint cache slots holding outputs of swap units (private SAC storage:
-        ``{key: {index: tree of _VersionWrapper}}``; guarded by the mixed-layer tests)."""
-        engine = self.engine
-        assert engine is not None
-
-        def swap(leaf: Any) -> Any:
-            val = getattr(leaf, "val", None)
-            if not isinstance(val, torch.Tensor):
-                return leaf
-            unit = state.swap_outputs.get(val.untyped_storage()._cdata)
-            if unit is None:
-                return leaf
-            prefetch = decide(self.plan, unit).backward_prefetch
-            return _SwappedEntry(engine.offload(val, label=unit, layer=state.index, prefetch=prefetch))
-
-        for slots in fwd_ctx.storage.values():
-            keys = slots.keys() if isinstance(slots, dict) else range(len(slots))
-            for k in list(keys):
-                slots[k] = tree_map(swap, slots[k])
-
-    # ================================================================== swap outside checkpoints
-    def _swap_info(self, unit: str) -> tuple[int, int] | None:
-        """``(layer index, backward_prefetch)`` of a swap unit, None for the others (Semantics: Swap)."""
-        if unit not in self._swap_cache:
-            decision = decide(self.plan, unit)
-            layer, _ = self.namer.split(unit)
-            self._swap_cache[unit] = (layer, decision.backward_prefetch) if decision.action is Action.SWAP else None
-        info = self._swap_cache[unit]
-        if info is None or info[0] is not None:
-            return info
-        outside = OUTSIDE_BEFORE if self._last_layer is None else self.num_layers
-        return outside, info[1]
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        if not self._producer or isinstance(t, nn.Parameter):
-            return t
-        st = t.untyped_storage()
-        info = self._producer.get(st._cdata)
-        if info is None or info[0]() is not st:
-            return t
-        return self.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
-
-    @staticmethod
-    def _unpack(x: Any) -> Any:
-        return x.unpack() if isinstance(x, Packed) else x
-
-    def _push(self) -> None:
-        if not torch.is_grad_enabled():
-            self._pushed.append(None)
-            return
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        tracker = _Tracker(self) if self.res.swap_outside_sac else None
-        hooks.__enter__()
-        if tracker is not None:
-            tracker.__enter__()
-        self._pushed.append((hooks, tracker))
-
-    def _pop(self) -> None:
-        entry = self._pushed.pop()
-        if entry is not None:
-            hooks, tracker = entry
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
-            hooks.__exit__(None, None, None)
 
     # ================================================================== hooks
     def _enter(self, module: nn.Module, args: Any) -> None:

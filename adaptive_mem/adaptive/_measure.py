@@ -1,0 +1,168 @@
+"""The adaptive loop's measurements: the live step profiled at warm-up, each step's record (peak, time,
+SwapManager rescues, allocator retries), and what the device and the budget leave free.
+
+:class:`StepMeasurement` is a base of :class:`~adaptive_mem.adaptive._loop.AdaptiveMemory` and works on its
+state (``model``, ``budget``, ``manager``, ``hook``, ``history``, ...); the loop decides what to do with what
+is measured here.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from adaptive_mem.runtime._accounting import host_allocations
+from ._target_search import StepRecord, TargetSearch
+
+__all__ = ["AdaptiveBudgetError", "StepMeasurement"]
+
+# Note: [the loop's logger] every line of the loop goes to ``adaptive_mem.adaptive._loop`` (docs/adaptive.md
+# names it; users and tests set its level), whichever of its modules writes it.
+log = logging.getLogger("adaptive_mem.adaptive._loop")
+
+
+class AdaptiveBudgetError(ValueError):
+    """The memory budget is below what the step needs with every swappable activation on the host."""
+
+
+def _fmt(n: float) -> str:
+    from search._solver import fmt_bytes
+
+    return f"{fmt_bytes(n)} ({int(n)} bytes)"
+
+
+class StepMeasurement:
+    """Profiling and per-step measurement for :class:`~adaptive_mem.adaptive._loop.AdaptiveMemory`."""
+
+    # ------------------------------------------------------------------ one step's record
+    def _start_record(self) -> None:
+        self.hook.reset_peak()
+        self._rescues0 = self.manager.stats.rescues
+        self._retries0 = self.hook.retries
+        self._step_start = time.perf_counter()
+
+    def _record_step(self) -> StepRecord:
+        seconds = time.perf_counter() - self._step_start
+        rescues = self.manager.stats.rescues - self._rescues0
+        retries = self.hook.retries - self._retries0
+        return StepRecord(step=len(self.history) + 1, kind=self._kind, target=self.target, peak=self.hook.peak(),
+                          seconds=seconds, rescues=rescues, retries=retries)
+
+    # ------------------------------------------------------------------ warm-up: profile the live step
+    def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
+        import profiler
+        from search import StepModel, minimum_budget
+
+        self._needs_profile = False
+        self._kind = "warmup"
+        self._check_static()
+        start = time.perf_counter()
+        hardware = None
+        if self.device.type == "cpu":  # the bandwidth probe's buffers are no device memory of the step
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            with host_allocations():
+                hardware = profiler.hardware_spec("cpu", dtype=dtype)
+        self._busy += 1
+        moved0 = self.manager.stats.first_out_bytes
+        try:
+            prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
+                                         optimizer=self.optimizer, warmup=0, repeat=0, record=1, hardware=hardware,
+                                         optimizer_time=0.0)  # the same for every plan; timing a scratch copy
+                                                              # would allocate inside the budget
+        except torch.OutOfMemoryError as exc:
+            size, what = self.manager.largest_unswappable()
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: the step does not fit even with every swappable activation on "
+                f"the host (needed more than the budget {_fmt(self.budget)}; largest unswappable tensor: {what}, "
+                f"{_fmt(size)}): {exc}") from None
+        finally:
+            self._busy -= 1
+        self.profiles_run += 1
+        moved = self.manager.stats.first_out_bytes - moved0
+        if moved:
+            # Note: [profile under rescue] the profiled step survived by swapping; its measured peak is the
+            # budget's, not the plain step's. The activations swapped out were all still alive at the start
+            # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
+            # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
+            log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
+                     "peak is taken as measured + swapped", _fmt(moved))
+            prof.peak_memory += moved
+        self._profile = prof
+        self.manager.set_profile(prof)
+        self._step_model = model = StepModel.build(prof)
+        needed, what = minimum_budget(model)
+        if needed > self.budget:
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
+                f"budget {_fmt(self.budget)} ({what})")
+        self._min_needed = needed
+        tol = max(1, int(self.tolerance * self.budget))
+        self.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
+        log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
+                 "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
+        self._pending = self._solve(self.search.target)
+
+    def _check_static(self) -> None:
+        """Parameters and their gradients never leave the device: fail before the step if they cannot fit."""
+        params = {p.untyped_storage()._cdata: p for p in self.model.parameters()}
+        param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
+        grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad and p.grad is None)
+        live = self.hook.live()
+        needed = max(live or 0, param_bytes) + grad_bytes
+        if needed > self.budget:
+            size, what = self.manager.largest_unswappable()
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: below the minimum feasible; needed at least {_fmt(needed)} "
+                f"(live device memory and the gradients to come), budget {_fmt(self.budget)}; "
+                f"largest unswappable tensor: {what}, {_fmt(size)}")
+
+    def _profile_loss(self, kwargs: dict) -> Callable[[nn.Module, tuple], torch.Tensor]:
+        loss_fn = self.loss_fn
+
+        def loss(model: nn.Module, inputs: tuple) -> torch.Tensor:
+            out = model(*inputs, **kwargs)
+            if loss_fn is not None:
+                return loss_fn(out)
+            first = next(t for t in tree_flatten(out.to_tuple() if hasattr(out, "to_tuple") else out)[0]
+                         if isinstance(t, torch.Tensor) and t.is_floating_point())
+            return first.sum()
+        return loss
+
+    # ------------------------------------------------------------------ what the device leaves free
+    def _plan_engines(self) -> list[Any]:
+        executor = getattr(self._handle, "_executor", None)
+        engine = getattr(executor, "engine", None)
+        return [engine] if engine is not None else []
+
+    def _headroom(self) -> int | None:
+        room = self.hook.headroom()
+        live = self.hook.live()
+        if self.budget is not None and live is not None:
+            room = min(room, self.budget - live) if room is not None else self.budget - live
+        return room
+
+    def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
+        if self.manager._no_rescue:
+            return None  # a prefetch that does not fit: it waits for its use
+        return self.manager.exhausted(needed, budget if budget is not None else self.budget)
+
+    def _parallel(self) -> dict[str, int]:
+        sizes = dict(self.parallel)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            sizes.setdefault("world", torch.distributed.get_world_size())
+        return sizes
+
+    def _default_budget(self) -> int:
+        cap = self.hook.capacity()
+        if cap is None and self.device.type != "cpu":
+            cap = torch.accelerator.get_memory_info(self.device)[1] if hasattr(torch.accelerator, "get_memory_info") \
+                else None
+        if cap is None:
+            raise ValueError("memory budget: none given and the device capacity is unknown; expected "
+                             "--memory-budget SIZE (or run under adaptive_mem.DeviceMemory(cap=...) on CPU)")
+        return int(cap)

@@ -1,0 +1,108 @@
+"""The policies a bench run compares: one small class each, behind one interface.
+
+A policy is prepared once per budget in the parent process (``prepare``: solve a plan,
+predict its cost) and applied in a fresh worker process (``apply``) to a model built from
+the same spec, seed and batch as every other policy. ``apply`` returns an :class:`Applied`:
+the step to time and what to take off afterwards.
+
+This module is the base every policy module imports (``_policy_eager``, ``_policy_torch``,
+``_policy_ours``); the registry in ``_policies`` imports those, never the other way round.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+__all__ = ["Applied", "Policy", "PolicyError", "layers_of"]
+
+
+class PolicyError(ValueError):
+    """An unknown policy name, or a policy that does not apply to the model."""
+
+
+@dataclass
+class Applied:
+    """What a policy leaves on the model in the worker."""
+
+    bundle: Any
+    """The ModelBundle whose ``loss(batch)`` runs one forward (possibly a wrapped/compiled model)."""
+    remove: Callable[[], None] = lambda: None
+    """Takes the policy off again."""
+    warmup_until: Callable[[], bool] | None = None
+    """Extra warm-up: run steps until this returns True (bounded by the worker)."""
+    accounted_warmup: int | None = None
+    """Run warm-up under ``DeviceMemory(cap=this)`` (the adaptive loop reads the cap as its budget)."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Policy-specific facts for the report (compile seconds, chosen knobs)."""
+
+
+class Policy:
+    """Base: ``name`` (CLI/report key), ``label`` (one line for people), and the flags below."""
+
+    name = ""
+    label = ""
+    budgeted = False
+    """Runs once per budget (else once, whatever the budgets)."""
+    eager = True
+    """An eager-mode competitor: part of the "no slower beyond 2%" comparison."""
+    ours = False
+    """One of adaptive-mem's own policies."""
+    predict_solver: str | None = None
+    """The search solver whose plan describes this policy (for predicted peak/time), if any."""
+
+    def unavailable(self, spec: str) -> str | None:
+        """Why this policy cannot run on ``spec`` (None: it can)."""
+        return None
+
+    def prepare(self, ctx: Any, budget: float | None) -> dict[str, Any]:
+        """Parent-side work for one run (plan files, predictions); JSON-able, passed to ``apply``.
+
+        ``ctx`` is the runner's :class:`~adaptive_mem.bench._prepare.PrepareContext`."""
+        if self.predict_solver is None:
+            return {}
+        return ctx.predict(self.predict_solver, self.name, budget=None)
+
+    def apply(self, bundle: Any, optimizer: torch.optim.Optimizer, job: dict[str, Any]) -> Applied:
+        raise NotImplementedError
+
+
+def layers_of(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks (the profiler's notion of a layer)."""
+    from profiler import find_layers
+
+    info = find_layers(model)
+    if info is None:
+        raise PolicyError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of blocks")
+    return list(model.get_submodule(info.container))
+
+
+def _wrap_forward(layer: nn.Module, make: Callable[[Callable], Callable]) -> Callable[[], None]:
+    original = layer.forward
+    layer.forward = make(original)
+
+    def undo() -> None:
+        layer.forward = original
+    return undo
+
+
+def _checkpointed(forward: Callable, context_fn: Callable | None = None) -> Callable:
+    from torch.utils.checkpoint import checkpoint
+
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
+    @functools.wraps(forward)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+    return run
+
+
+def _undo_all(undos: list[Callable[[], None]]) -> Callable[[], None]:
+    def remove() -> None:
+        for undo in reversed(undos):
+            undo()
+    return remove
