@@ -28,6 +28,13 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     :class:`search.PlanError` and leaves the model untouched. ``host_store`` is ``memory`` (pinned
     RAM on accelerators) or ``file`` (a temporary file under ``host_dir``; CPU only).
 
+    What took effect is logged at INFO as one line and kept as ``handle.summary()`` (a
+    :class:`adaptive_mem.PlanSummary`): layers and units recomputed, swapped and kept (units are counted
+    with ``profile`` or ``example_inputs``), the planned device bytes saved (with ``profile``) and the
+    targets that change nothing, with why. A plan that asks for recompute or swap but changes nothing
+    logs one WARNING naming the cause. ``config={}`` (asking for nothing) raises
+    :class:`adaptive_mem.ConfigError`.
+
     ``budget`` instead of a plan: the adaptive loop (``adaptive_mem.adaptive_optimize``, which takes
     the other keywords) finds and applies the fastest plan under ``budget`` bytes while training.
     """

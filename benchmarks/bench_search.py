@@ -41,9 +41,9 @@ def _profile(spec: str, directory: Path) -> Profile:
     return Profile.load(path)
 
 
-def _solve(name: str, model: StepModel, budget: int):
+def _solve(name: str, model: StepModel, budget: int | Problem):
     try:
-        return get_solver(name).solve(Problem(model, budget))
+        return get_solver(name).solve(budget if isinstance(budget, Problem) else Problem(model, budget))
     except InfeasibleBudgetError:
         return None
 
@@ -55,11 +55,12 @@ def compare_7b(model: StepModel) -> None:
     print("|---" * (len(names) + 3) + "|")
     worst = {}
     for f in BUDGETS:
-        limit = Budget(activation_fraction=f).resolve(model)
-        best = _solve("milp", model, limit)
+        problem = Budget(activation_fraction=f).problem(model)
+        limit = problem.budget
+        best = _solve("milp", model, problem)
         cells = []
         for n in names:
-            r = _solve(n, model, limit)
+            r = _solve(n, model, problem)
             if r is None:
                 cells.append("-")
                 continue

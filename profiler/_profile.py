@@ -7,6 +7,8 @@ with :func:`json.loads` plus validation, never with pickle.
 from __future__ import annotations
 
 import json
+import reprlib
+import sys
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -188,9 +190,9 @@ class Profile:
         if not isinstance(data, dict):
             raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != PROFILE_FORMAT:
-            raise ProfileError(f"profile.format={data.get('format')!r}: expected {PROFILE_FORMAT!r}")
+            raise ProfileError(f"profile.format={_short(data.get('format'))}: expected {PROFILE_FORMAT!r}")
         if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"profile.version={data.get('version')!r}: expected {PROFILE_VERSION}")
+            raise ProfileError(f"profile.version={_short(data.get('version'))}: expected {PROFILE_VERSION}")
         body = {k: v for k, v in data.items() if k != "format"}
         body["hardware"] = _build(HardwareSpec, body.get("hardware"), "profile.hardware")
         body["static"] = _build(StaticMemory, body.get("static"), "profile.static")
@@ -200,7 +202,7 @@ class Profile:
         for key in ("batch_size", "seq_len", "num_layers"):
             value = profile.model.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ProfileError(f"profile.model.{key}={value!r}: expected a positive integer")
+                raise ProfileError(f"profile.model.{key}={_short(value)}: expected a positive integer")
         _check_references(profile)
         return profile
 
@@ -212,10 +214,19 @@ class Profile:
             raise ProfileError(f"profile file {str(path)!r}: cannot read ({exc.strerror})") from None
         except UnicodeDecodeError:
             raise ProfileError(f"profile file {str(path)!r}: not UTF-8 text; expected a JSON profile") from None
+        if not text.strip():
+            raise ProfileError(f"profile file {str(path)!r}: empty; expected a JSON profile")
         try:
             data = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"profile file {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        except RecursionError:
+            raise ProfileError(f"profile file {str(path)!r}: nested too deeply; expected a JSON profile") from None
+        except ProfileError:
+            raise
+        except ValueError:  # Python refuses to parse an integer literal this long
+            raise ProfileError(f"profile file {str(path)!r}: a number of more than {sys.get_int_max_str_digits()} "
+                               "digits; expected a JSON profile") from None
         return cls.from_dict(data)
 
 
@@ -245,6 +256,27 @@ def _check_references(profile: Profile) -> None:
         missing = next((c for c in unit.consumers if c not in names), None)
         if missing is not None:
             raise ProfileError(f"profile.units[{j}].consumers: {missing!r}: not a unit of this profile")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 2, 5, 5
+_LIMIT = 2**63
+"""Integers from 2**63 up are no byte count, FLOP count or index of a real step (and overflow float math)."""
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters, for one-line errors (a file can hold anything)."""
+    return _REPR.repr(value)
+
+
+def _check_number(where: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return
+    if not 0 <= value < float("inf"):
+        raise ProfileError(f"{where}={_short(value)}: expected a number, finite and >= 0")
+    if value >= _LIMIT:
+        raise ProfileError(f"{where}={_short(value)}: expected a number below 2**63")
 
 
 _TYPES: dict[str, tuple[type, ...]] = {
@@ -286,9 +318,8 @@ def _check(where: str, value: Any, annotation: str) -> None:
     expected = annotation.split(" | ")
     if all(t in _TYPES or t == "None" for t in expected):
         if not any(_is(value, t) for t in expected):
-            raise ProfileError(f"{where}={value!r}: expected {' or '.join(expected)}")
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not 0 <= value < float("inf"):
-            raise ProfileError(f"{where}={value!r}: expected a number, finite and >= 0")
+            raise ProfileError(f"{where}={_short(value)}: expected {' or '.join(expected)}")
+        _check_number(where, value)
         return
     if len(expected) == 1 and expected[0].startswith("dict[") and not isinstance(value, dict):
         raise ProfileError(f"{where}={type(value).__name__}: expected an object")
@@ -298,6 +329,5 @@ def _check(where: str, value: Any, annotation: str) -> None:
             raise ProfileError(f"{where}={type(value).__name__}: expected a list of {item}")
         for i, element in enumerate(value):
             if not _is(element, item):
-                raise ProfileError(f"{where}[{i}]={element!r}: expected {item}")
-            if isinstance(element, (int, float)) and not 0 <= element < float("inf"):
-                raise ProfileError(f"{where}[{i}]={element!r}: expected a number, finite and >= 0")
+                raise ProfileError(f"{where}[{i}]={_short(element)}: expected {item}")
+            _check_number(f"{where}[{i}]", element)

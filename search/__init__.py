@@ -16,13 +16,21 @@ from ._solver import (
     plan_from_assignment,
 )
 from ._registry import UnknownSolverError, get_solver, register_solver, solver_names
-from ._budget import Budget, BudgetError, check_feasible, minimum_budget, parse_bytes
+from ._budget import (
+    Budget,
+    BudgetError,
+    DeviceMemoryError,
+    activation_peak,
+    check_feasible,
+    minimum_budget,
+    parse_bytes,
+)
 from ._pipeline import Stage, merge_plans, split_stages
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile
 
 __all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError",
            "Assignment", "Budget", "BudgetError", "InfeasibleBudgetError", "Interval", "PredictedCost", "Problem",
            "Simulation", "SolveResult", "Solver", "SolverStats", "Stage", "StepModel", "SyntheticUnit", "Timeline",
-           "UnknownSolverError", "check_feasible", "fmt_bytes", "fmt_seconds", "get_solver", "merge_plans", "minimum_budget",
+           "UnknownSolverError", "DeviceMemoryError", "activation_peak", "check_feasible", "fmt_bytes", "fmt_seconds", "get_solver", "merge_plans", "minimum_budget",
            "parse_bytes", "plan_from_assignment", "random_profile", "register_solver", "resolve", "simulate",
            "simulate_assignment", "solver_names", "split_stages", "synthetic_profile"]

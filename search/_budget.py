@@ -1,19 +1,23 @@
-"""Memory budgets: absolute (``40GiB``) or a fraction of the unoptimized activation memory.
+"""Memory budgets: absolute (``40GiB``) or a fraction of the unoptimized activation peak.
 
-Also the minimum feasible budget and what dominates it, for the error a too-small budget gets.
+Also the minimum feasible budget and what dominates it, for the error a too-small budget gets, and
+the device-memory check: a peak (or static memory) over the memory of the named device.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from profiler._profile import HardwareSpec
 
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, segments, simulate_assignment
-from ._solver import InfeasibleBudgetError, fmt_bytes
+from ._solver import InfeasibleBudgetError, Problem, fmt_bytes
 
-__all__ = ["Budget", "BudgetError", "parse_bytes", "minimum_budget", "check_feasible"]
+__all__ = ["Budget", "BudgetError", "DeviceMemoryError", "activation_model", "activation_peak", "check_feasible",
+           "device_capacity", "device_shortfall", "keep_all", "minimum_budget", "parse_bytes"]
 
 _UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
@@ -22,6 +26,10 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 class BudgetError(ValueError):
     """A budget that cannot be read."""
+
+
+class DeviceMemoryError(BudgetError):
+    """A budget or a step that cannot fit the memory of the device it is for."""
 
 
 def parse_bytes(text: str, *, key: str = "--budget") -> int:
@@ -42,9 +50,9 @@ class Budget:
     total: int | None = None
     """Peak device bytes, parameters, gradients and optimizer state included."""
     activation_fraction: float | None = None
-    """Fraction of the unoptimized activation memory allowed on top of the static memory:
-    budget = parameters + gradients + optimizer state + F x in-flight micro-batches x (saved activation
-    bytes + loss workspace)."""
+    """Fraction F of the keep-all plan's activation peak: the plan's activation peak (the most activation
+    bytes on the device at any time of the step: saved, reloaded and recomputed bytes, loss workspace,
+    every micro-batch in flight) is at most F times the keep-all plan's (Note: [activation budget])."""
 
     def __post_init__(self) -> None:
         if (self.total is None) == (self.activation_fraction is None):
@@ -66,18 +74,76 @@ class Budget:
         return cls(total=None if budget is None else parse_bytes(budget))
 
     def resolve(self, model: StepModel, *, in_flight: int = 1) -> int:
-        """Absolute peak bytes for ``model``."""
+        """Absolute peak bytes: on ``model`` for ``--budget``; for a fraction, on ``activation_model(model)``,
+        where it is static memory + F x the keep-all activation peak. Solve :meth:`problem`, which pairs
+        each limit with its model: a fraction's limit on ``model`` itself lets gradients, not yet
+        allocated at the activation peak, pass as activations."""
         if self.total is not None:
             return self.total
         assert self.activation_fraction is not None
-        static = model.base + sum(model.grads)
-        activations = in_flight * (model.activation_bytes + model.boundary)
-        return static + int(self.activation_fraction * activations)
+        act = activation_model(model)
+        return act.base + int(self.activation_fraction * activation_peak(act, keep_all(act), in_flight=in_flight))
+
+    def problem(self, model: StepModel, *, in_flight: int = 1, progress: bool = False) -> Problem:
+        """The solvers' problem for this budget; a plan within it fits the budget on ``model`` as well."""
+        target = model if self.total is not None else activation_model(model)
+        return Problem(target, self.resolve(model, in_flight=in_flight), in_flight=in_flight, progress=progress)
 
     def describe(self) -> str:
         if self.total is not None:
             return fmt_bytes(self.total)
-        return f"{self.activation_fraction:g} of activation memory"
+        return f"{self.activation_fraction:g} of the activation peak"
+
+
+def activation_model(model: StepModel) -> StepModel:
+    """``model`` with its gradients resident all step, as ``StepModel.build(gradients="persistent")``.
+
+    Note: [activation budget] its peak minus its static memory is the activation peak: gradients
+    are allocated during backward, so on ``model`` a peak limit of static + F x activations leaves
+    the not-yet-allocated gradients' room to activations (any F keeps every activation of a model
+    whose gradients are as large as them). With gradients resident from the start, the same limit
+    bounds the activations alone at every moment; the plan's peak on ``model`` is no higher.
+    """
+    if not any(model.grads):
+        return model
+    return replace(model, base=model.base + sum(model.grads), grads=[0] * len(model.grads))
+
+
+def keep_all(model: StepModel) -> Assignment:
+    """The plan that keeps every activation (no decisions)."""
+    n = len(model.units)
+    return Assignment(tuple([Action.KEEP] * n), tuple([1] * n))
+
+
+def activation_peak(model: StepModel, asg: Assignment, *, in_flight: int = 1) -> int:
+    """The most activation bytes ``asg`` holds on the device at any time of the step (gradients excluded)."""
+    return simulate_assignment(activation_model(model), asg, in_flight=in_flight).activation_peak
+
+
+def device_capacity(hardware: HardwareSpec) -> int | None:
+    """Memory of a named device (a datasheet entry or a measured accelerator); None for ``cpu`` or unknown."""
+    return hardware.device_memory if hardware.device_memory > 0 and hardware.name != "cpu" else None
+
+
+def device_shortfall(hardware: HardwareSpec, *, static: int, peak: int | None = None) -> str | None:
+    """One line when ``peak`` (without it: ``static``) exceeds the memory of ``hardware``, a named device.
+
+    ``static``: parameters, gradients and optimizer state; the line says which part does not fit.
+    """
+    cap = device_capacity(hardware)
+    if cap is None or (static if peak is None else peak) <= cap:
+        return None
+    device = f"the {hardware.name}'s {fmt_bytes(cap)} of device memory"
+    shard = "shard them (ZeRO/FSDP, tensor or pipeline parallel) or use a device with more memory"
+    if peak is None:
+        return (f"parameters, gradients and optimizer state ({fmt_bytes(static)}) exceed {device} "
+                f"by {fmt_bytes(static - cap)}: {shard}")
+    if static > cap:
+        return (f"predicted peak {fmt_bytes(peak)} exceeds {device}: parameters, gradients and optimizer state "
+                f"alone need {fmt_bytes(static)} ({fmt_bytes(static - cap)} over): {shard}")
+    return (f"predicted peak {fmt_bytes(peak)} exceeds {device} by {fmt_bytes(peak - cap)}: parameters, gradients "
+            f"and optimizer state ({fmt_bytes(static)}) fit, activations and workspace ({fmt_bytes(peak - static)}) "
+            f"on top do not; search with --budget {cap >> 20}MiB or less")
 
 
 def _min_candidates(model: StepModel) -> list[Assignment]:

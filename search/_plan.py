@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import enum
 import json
+import reprlib
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -60,10 +62,33 @@ KEEP = Decision(Action.KEEP)
 
 
 def _action(value: Any, where: str) -> Action:
-    try:
+    if isinstance(value, Action):
+        return value
+    if isinstance(value, str) and value in Action._value2member_map_:
         return Action(value)
-    except ValueError:
-        raise PlanError(f"{where}={value!r}: expected one of keep, recompute, swap") from None
+    raise PlanError(f"{where}={_short(value)}: expected one of keep, recompute, swap")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 2, 5, 5
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut to a few dozen characters: a YAML alias can make a value of 10**9 items."""
+    return _REPR.repr(value)
+
+
+def _check_model(model: dict[str, Any]) -> None:
+    """The described fields are compared with the profile or model a plan is used on: they must be of their form."""
+    for key in ("batch_size", "seq_len", "num_layers"):
+        value = model.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise PlanError(f"plan.model.{key}={_short(value)}: expected a positive integer or null")
+    for key in ("spec", "dtype"):
+        value = model.get(key)
+        if value is not None and not isinstance(value, str):
+            raise PlanError(f"plan.model.{key}={_short(value)}: expected a string or null")
 
 
 def matches(target: str, unit: str) -> bool:
@@ -143,46 +168,51 @@ class Plan:
             if key not in allowed:
                 raise PlanError(f"plan.{key}: unknown key; expected one of {sorted(allowed)}")
         if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"plan.format={data.get('format')!r}: expected {PLAN_FORMAT!r}")
+            raise PlanError(f"plan.format={_short(data.get('format'))}: expected {PLAN_FORMAT!r}")
         if data.get("version") != PLAN_VERSION:
-            raise PlanError(f"plan.version={data.get('version')!r}: expected {PLAN_VERSION}")
+            raise PlanError(f"plan.version={_short(data.get('version'))}: expected {PLAN_VERSION}")
         fingerprint = data.get("fingerprint")
         if fingerprint is not None and not isinstance(fingerprint, str):
-            raise PlanError(f"plan.fingerprint={fingerprint!r}: expected a string or null")
+            raise PlanError(f"plan.fingerprint={_short(fingerprint)}: expected a string or null")
         for key in ("model", "meta"):
             if not isinstance(data.get(key, {}), dict):
-                raise PlanError(f"plan.{key}={data[key]!r}: expected a mapping")
-        raw = data.get("decisions", {})
+                raise PlanError(f"plan.{key}={_short(data[key])}: expected a mapping")
+        _check_model(data.get("model", {}))
+        if "decisions" not in data:
+            raise PlanError("plan.decisions: missing; expected a mapping of unit or module name to decision "
+                            "({} keeps every unit)")
+        raw = data["decisions"]
         if not isinstance(raw, dict):
-            raise PlanError(f"plan.decisions={raw!r}: expected a mapping of unit or module name to decision")
+            raise PlanError(f"plan.decisions={_short(raw)}: expected a mapping of unit or module name to decision")
         decisions: dict[str, Decision] = {}
         for target, spec in raw.items():
             where = f"plan.decisions.{target}"
             if not isinstance(target, str) or not target:
-                raise PlanError(f"plan.decisions key {target!r}: expected a unit or module name")
+                raise PlanError(f"plan.decisions key {_short(target)}: expected a unit or module name")
             if isinstance(spec, str):
                 spec = {"action": spec}
             if not isinstance(spec, dict):
-                raise PlanError(f"{where}={spec!r}: expected {{action: keep|recompute|swap, backward_prefetch: N}}")
-            extra = set(spec) - {"action", "backward_prefetch"}
+                raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, "
+                                "backward_prefetch: N}")
+            extra = [k for k in spec if k not in ("action", "backward_prefetch")]
             if extra:
-                raise PlanError(f"{where}.{sorted(extra)[0]}: unknown key; expected action, backward_prefetch")
+                raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch")
             if "action" not in spec:
                 raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
             action = _action(spec["action"], f"{where}.action")
             prefetch = spec.get("backward_prefetch", 1)
-            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-                raise PlanError(f"{where}.backward_prefetch={prefetch!r}: expected an integer >= 0")
+            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch < 2**31:
+                raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and below 2**31")
             decisions[target] = Decision(action, prefetch)
         groups = data.get("groups", [])
         if not isinstance(groups, list) or not all(
             isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
             and g == list(range(g[0], g[0] + len(g))) for g in groups
         ):
-            raise PlanError(f"plan.groups={groups!r}: expected a list of runs of consecutive layer indices")
+            raise PlanError(f"plan.groups={_short(groups)}: expected a list of runs of consecutive layer indices")
         distribute = data.get("distribute_saved_activations", False)
         if not isinstance(distribute, bool):
-            raise PlanError(f"plan.distribute_saved_activations={distribute!r}: expected true or false")
+            raise PlanError(f"plan.distribute_saved_activations={_short(distribute)}: expected true or false")
         return cls(decisions=decisions, fingerprint=fingerprint, model=dict(data.get("model", {})),
                    meta=dict(data.get("meta", {})), groups=[list(g) for g in groups],
                    distribute_saved_activations=distribute)
@@ -197,12 +227,21 @@ class Plan:
             mark = getattr(exc, "problem_mark", None)
             where = f" at line {mark.line + 1}" if mark is not None else ""
             raise PlanError(f"plan file {source!r}: not valid YAML/JSON{where}") from None
+        except RecursionError:
+            raise PlanError(f"plan file {source!r}: nested too deeply; expected a plan mapping") from None
+        except ValueError:  # Python refuses to parse an integer literal this long
+            raise PlanError(f"plan file {source!r}: a number of more than {sys.get_int_max_str_digits()} digits; "
+                            "expected a plan mapping") from None
+        if data is None:
+            raise PlanError(f"plan file {source!r}: empty; expected a mapping with format: {PLAN_FORMAT}")
         return cls.from_dict(data)
 
     @classmethod
     def load(cls, path: str | Path) -> "Plan":
         try:
-            text = Path(path).read_text()
+            text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise PlanError(f"plan file {str(path)!r}: cannot read ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise PlanError(f"plan file {str(path)!r}: not UTF-8 text; expected a YAML or JSON plan") from None
         return cls.loads(text, source=str(path))

@@ -75,8 +75,8 @@ def test_budget_below_the_minimum_is_an_error_with_the_numbers_and_no_partial_st
     # below the parameters (no device could hold the model: no cap), then above parameters + gradients
     for budget, cap in ((param_bytes // 2, None), (2 * param_bytes + 200_000, 2 * param_bytes + 200_000)):
         start = time.perf_counter()
-        with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False):
-            with pytest.raises(AdaptiveBudgetError) as info:
+        with pytest.raises(AdaptiveBudgetError) as info:  # below the parameters: refused by adaptive_optimize itself
+            with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False):
                 train(b, opt, 1, cap=cap)
         message = str(info.value)
         assert "needed" in message and "budget" in message and f"{budget} bytes" in message, message

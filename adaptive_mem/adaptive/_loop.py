@@ -36,6 +36,7 @@ from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
 from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
 from ._target_search import Move, StepRecord, TargetSearch
+from ._wrappers import wrapper_memory
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
 
@@ -60,6 +61,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self.prefetch_reserve = 0.1
         """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        self._wrapper = wrapper_memory(model)
         self.manager = SwapManager(model, device=self.device)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
         self.manager.headroom = self._headroom
@@ -350,5 +352,12 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     if getattr(model, "_adaptive_memory", None) is not None:
         raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
     store = PlanCache(cache_dir) if cache else None
-    return AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
-                          loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)
+    handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
+                            loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)
+    if budget is not None:
+        try:  # a budget below what never leaves the device is refused now, before any step or batch
+            handle._check_static()
+        except AdaptiveBudgetError:
+            handle.remove()
+            raise
+    return handle

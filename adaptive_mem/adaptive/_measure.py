@@ -8,6 +8,7 @@ is measured here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -92,10 +93,20 @@ class StepMeasurement:
             log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
                      "peak is taken as measured + swapped", _fmt(moved))
             prof.peak_memory += moved
+        resident = self._wrapper.resident + self._wrapper.in_flight
+        if resident:
+            # Note: [wrapper memory in the profile] what a wrapper holds (DDP's buckets, FSDP2's layer in flight)
+            # is counted as static memory of every plan. The CPU recorder counts only the step's own tensors;
+            # an accelerator's measured peak already holds the buckets (allocated before the step).
+            prof.static = dataclasses.replace(prof.static, buffers=prof.static.buffers + resident)
+            if prof.device == "cpu":
+                prof.peak_memory += resident
         self._profile = prof
         self.manager.set_profile(prof)
         self._step_model = model = StepModel.build(prof)
         needed, what = minimum_budget(model)
+        if self._wrapper.what:
+            what += f"; with {self._wrapper.what}"
         if needed > self.budget:
             raise AdaptiveBudgetError(
                 f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
@@ -108,17 +119,20 @@ class StepMeasurement:
         self._pending = self._solve(self.search.target)
 
     def _check_static(self) -> None:
-        """Parameters and their gradients never leave the device: fail before the step if they cannot fit."""
+        """Parameters, their gradients and what a parallel wrapper holds never leave the device: fail before the
+        step if they cannot fit."""
         params = {p.untyped_storage()._cdata: p for p in self.model.parameters()}
         param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
         grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad and p.grad is None)
         live = self.hook.live()
-        needed = max(live or 0, param_bytes) + grad_bytes
+        wrapper = self._wrapper
+        needed = max(live or 0, param_bytes + wrapper.resident) + grad_bytes + wrapper.in_flight
         if needed > self.budget:
             size, what = self.manager.largest_unswappable()
+            held = f", {wrapper.what}" if wrapper.what else ""
             raise AdaptiveBudgetError(
                 f"--memory-budget={self.budget}: below the minimum feasible; needed at least {_fmt(needed)} "
-                f"(live device memory and the gradients to come), budget {_fmt(self.budget)}; "
+                f"(live device memory and the gradients to come{held}), budget {_fmt(self.budget)}; "
                 f"largest unswappable tensor: {what}, {_fmt(size)}")
 
     def _profile_loss(self, kwargs: dict) -> Callable[[nn.Module, tuple], torch.Tensor]:

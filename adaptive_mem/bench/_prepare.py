@@ -78,9 +78,11 @@ class PrepareContext:
                 tag: str | None = None) -> dict[str, Any]:
         """Solve ``solver`` (at the activation ``budget`` fraction, at ``limit`` bytes of peak memory, or
         unconstrained), save its plan, return the predictions."""
-        if limit is None:
-            limit = self.budget_bytes(budget) if budget is not None else 1 << 62
-        result = get_solver(solver).solve(Problem(self.model, limit))
+        if limit is None and budget is not None:
+            problem = Budget(activation_fraction=budget).problem(self.model)
+        else:
+            problem = Problem(self.model, 1 << 62 if limit is None else limit)
+        result = get_solver(solver).solve(problem)
         tag = tag or (name if budget is None else f"{name}-{budget:g}")
         path = self.out / "plans" / f"{tag}.yaml"
         result.plan.save(path)

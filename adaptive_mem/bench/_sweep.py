@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from search import Budget, InfeasibleBudgetError, Problem, StepModel, get_solver
+from search import Budget, InfeasibleBudgetError, StepModel, get_solver, simulate_assignment
 
 __all__ = ["sweep"]
 
@@ -19,11 +19,12 @@ def sweep(model: StepModel, solvers: list[str], points: int, *, progress: bool =
     fractions = [k / points for k in range(1, points + 1)]
     with tqdm(total=len(fractions) * len(solvers), desc="pareto", disable=not progress, leave=False) as bar:
         for f in fractions:
-            limit = Budget(activation_fraction=f).resolve(model)
+            problem = Budget(activation_fraction=f).problem(model)
             for name in solvers:
                 try:
-                    r = get_solver(name).solve(Problem(model, limit))
-                    out[name].append((f, r.cost.peak_bytes, r.cost.step_time))
+                    r = get_solver(name).solve(problem)
+                    sim = simulate_assignment(model, r.assignment)  # the step's own peak, not the solved proxy's
+                    out[name].append((f, sim.peak_bytes, sim.step_time))
                 except InfeasibleBudgetError as exc:
                     log.debug("%s at %.2f: %s", name, f, exc)
                 bar.update(1)

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import profiler
+from search._budget import device_shortfall
 
 from adaptive_mem._model_spec import FORMS, build_model
 
@@ -97,6 +98,9 @@ def run(args: argparse.Namespace) -> int:
 
         result = calibrate(bundle, result)
     print(profiler.format_summary(result, top=top))
+    shortfall = device_shortfall(result.hardware, static=result.static.total)
+    if shortfall:
+        log.warning("%s", shortfall)
     if output is not None:
         result.save(output)
         log.info("profile written to %s", output)

@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from adaptive_mem.runtime._accounting import DeviceMemory
     from adaptive_mem._model_spec import build_model
-    from adaptive_mem._optimize import optimize
+    from adaptive_mem._optimize import OptimizeHandle, optimize
 
     if args.steps <= 0:
         raise ValueError(f"--steps={args.steps}: expected a positive integer")
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                 log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes",
                          stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads, stats.wait_seconds,
                          handle.host_bytes)
-            if hasattr(handle, "summary"):
+            if not isinstance(handle, OptimizeHandle):  # a plan's summary was logged when it was applied
                 log.info("%s", handle.summary())
             handle.remove()
     if not on_cpu:

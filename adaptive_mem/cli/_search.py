@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
+import math
 from pathlib import Path
 
 import yaml
 
-from search import Budget, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver, merge_plans, solver_names
+from search import (Budget, InfeasibleBudgetError, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver,
+                    merge_plans, minimum_budget, simulate_assignment, solver_names)
+from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
 
 from ._common import add_profile_arguments, check_output_path, load, positive, stages_of, write_text_atomic
 
@@ -26,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     budget.add_argument("--budget", metavar="SIZE",
                         help="peak device memory incl. parameters, gradients, optimizer state (e.g. 40GiB, 80GB)")
     budget.add_argument("--activation-budget", metavar="F",
-                        help="fraction of the unoptimized activation memory, in (0, 1] (e.g. 0.5)")
+                        help="fraction, in (0, 1], of the unoptimized step's activation peak (the most activation "
+                             "bytes on the device at once) that the plan may hold at its own (e.g. 0.5)")
     parser.add_argument("--solver", default="milp", metavar="NAME",
                         help="milp (default), optuna or a baseline: none, full, selective, uniform, block, sqrt, "
                              "greedy, mindformers-swap, swap-only")
@@ -50,6 +53,46 @@ def _write(plan, fmt: str, path: str, num_layers: int) -> None:
     write_text_atomic(path, text)
 
 
+def _static(model) -> int:
+    return model.base + sum(model.grads)
+
+
+def _check_device(model, budget: Budget, text: str | None, where: str) -> None:
+    """Refuse a step whose static memory, or a ``--budget`` that exceeds the named device's memory."""
+    shortfall = device_shortfall(model.hardware, static=_static(model))
+    if shortfall:
+        raise DeviceMemoryError(f"{where}{shortfall}")
+    cap = device_capacity(model.hardware)
+    if cap is not None and budget.total is not None and budget.total > cap:
+        raise DeviceMemoryError(f"--budget={text!r}: {fmt_bytes(budget.total)} is more than the {model.hardware.name}'s "
+                                f"{fmt_bytes(cap)} of device memory; expected at most {cap >> 20}MiB, or --hardware "
+                                "naming the device the plan is for")
+
+
+def _check_feasible(problem: Problem, budget: Budget, text: str | None, keep: int, where: str) -> None:
+    """``check_feasible``; for a fraction, the error names the smallest feasible fraction."""
+    try:
+        check_feasible(problem.model, problem.budget, in_flight=problem.in_flight)
+    except InfeasibleBudgetError as exc:
+        if budget.total is not None:
+            raise InfeasibleBudgetError(f"{where}{exc}") from None
+        minimum, what = minimum_budget(problem.model, in_flight=problem.in_flight)
+        least = math.ceil((minimum - problem.model.base) / keep * 1000) / 1000
+        raise InfeasibleBudgetError(f"{where}--activation-budget={text!r}: below the minimum feasible {least:g} of the "
+                                    f"keep-all activation peak {fmt_bytes(keep)}: {what}") from None
+
+
+def _say_if_keep_all_fits(problem: Problem, budget: Budget, args: argparse.Namespace, where: str) -> None:
+    sim = simulate_assignment(problem.model, keep_all(problem.model), in_flight=problem.in_flight)
+    if sim.peak_bytes > problem.budget:
+        return
+    if budget.total is not None:
+        why = f"--budget {args.budget} (its peak {fmt_bytes(sim.peak_bytes)} <= {fmt_bytes(budget.total)})"
+    else:
+        why = f"--activation-budget {args.activation_budget} (its activation peak {fmt_bytes(sim.activation_peak)})"
+    print(f"{where}the keep-all plan already meets {why}: no decisions needed")
+
+
 def run(args: argparse.Namespace) -> int:
     if args.format not in FORMATS:
         raise ValueError(f"--format={args.format!r}: expected one of {', '.join(FORMATS)}")
@@ -63,16 +106,30 @@ def run(args: argparse.Namespace) -> int:
     stages = stages_of(profile, hardware, stages_n, micro)
     results = []
     for st in stages:
-        limit = budget.resolve(st.model, in_flight=st.in_flight)
-        check_feasible(st.model, limit, in_flight=st.in_flight)
-        result = get_solver(args.solver).solve(Problem(st.model, limit, in_flight=st.in_flight, progress=True))
+        where = f"stage {st.index} ({st.in_flight} micro-batches in flight): " if stages_n > 1 else ""
+        _check_device(st.model, budget, args.budget, where)
+        problem = budget.problem(st.model, in_flight=st.in_flight, progress=True)
+        keep = activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)
+        _check_feasible(problem, budget, args.activation_budget, keep, where)
+        _say_if_keep_all_fits(problem, budget, args, where)
+        result = get_solver(args.solver).solve(problem)
         results.append(result)
+        sim = simulate_assignment(st.model, result.assignment, in_flight=st.in_flight)
+        result.plan.meta["predicted_peak_bytes"] = sim.peak_bytes  # the activation model's is an upper bound
         gap = "" if result.stats.gap is None else \
             f", lower bound {fmt_seconds(result.stats.lower_bound)}, gap {result.stats.gap:.3%}"
-        where = f"stage {st.index} ({st.in_flight} micro-batches in flight): " if stages_n > 1 else ""
-        print(f"{where}peak {fmt_bytes(result.cost.peak_bytes)} (budget {fmt_bytes(limit)}), "
+        if budget.total is not None:
+            held = f"(budget {fmt_bytes(budget.total)})"
+        else:
+            act = activation_peak(st.model, result.assignment, in_flight=st.in_flight)
+            held = (f"(activation peak {fmt_bytes(act)} = {act / keep if keep else 0:.3f} of the keep-all "
+                    f"{fmt_bytes(keep)}; budget {budget.activation_fraction:g})")
+        print(f"{where}peak {fmt_bytes(sim.peak_bytes)} {held}, "
               f"step {fmt_seconds(result.cost.step_time)}, stall {fmt_seconds(result.cost.stall_time)}, "
               f"{args.solver} solved in {result.stats.solve_time:.2f} s{gap}")
+        shortfall = device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes)
+        if shortfall:
+            log.warning("%s%s", where, shortfall)
     plan = results[0].plan if stages_n == 1 else merge_plans([r.plan for r in results], stages, micro_batches=micro)
     plan.meta["budget_spec"] = budget.describe()
     _write(plan, args.format, args.output, profile.num_layers)

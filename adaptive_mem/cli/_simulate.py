@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
-from search import Plan, fmt_bytes, simulate
+from search import Plan, StepModel, fmt_bytes, simulate
+from search._budget import device_shortfall
 from search._match import check_plan_matches
 
 from ._common import add_profile_arguments, check_output_path, load
 
 NAME = "simulate"
 HELP = "predict peak device memory, step time and stalls of a plan on a profile (no training)"
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,12 +29,16 @@ def run(args: argparse.Namespace) -> int:
     check_plan_matches(plan, profile, source=f"plan file {args.plan!r}")
     if args.timeline:
         check_output_path(args.timeline, flag="--timeline")
-    sim = simulate(profile, plan, hardware=hardware, record=args.timeline is not None)
+    model = StepModel.build(profile, hardware=hardware)
+    sim = simulate(model, plan, record=args.timeline is not None)
     print(f"peak device memory  {fmt_bytes(sim.peak_bytes)} ({sim.peak_bytes} bytes)")
     print(f"step time           {sim.step_time:.6f} s")
     print(f"stall time          {sim.stall_time:.6f} s")
     print(f"recompute time      {sim.recompute_time:.6f} s")
     print(f"swapped per step    {fmt_bytes(sim.swapped_bytes)}")
+    shortfall = device_shortfall(model.hardware, static=model.base + sum(model.grads), peak=sim.peak_bytes)
+    if shortfall:
+        log.warning("%s", shortfall)
     if args.timeline:
         assert sim.timeline is not None
         sim.timeline.plot(args.timeline, title=f"simulated step: {args.plan}")

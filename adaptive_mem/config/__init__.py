@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,11 @@ _FORMS = ("a path to a MindFormers YAML, a dict (the YAML's contents), an argpar
 def load_config(path: str | os.PathLike) -> dict:
     """A MindFormers training YAML as a dict (``yaml.safe_load``)."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"config file {str(path)!r}: cannot read ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {str(path)!r}: not UTF-8 text; expected a MindFormers YAML") from None
     try:
         data = safe_load(text)
     except DuplicateKeyError as exc:
@@ -44,6 +47,11 @@ def load_config(path: str | os.PathLike) -> dict:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"config file {str(path)!r}: not valid YAML{where}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r}: nested too deeply; expected a MindFormers YAML") from None
+    except ValueError:  # Python refuses to parse an integer literal this long
+        raise ConfigError(f"config file {str(path)!r}: a number of more than {sys.get_int_max_str_digits()} digits; "
+                          "expected a MindFormers YAML") from None
     if not isinstance(data, dict):
         what = "empty" if data is None else f"top level is {type(data).__name__}"
         raise ConfigError(f"config file {str(path)!r}: {what}; expected a mapping with recompute_config / swap_config")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import reprlib
 from typing import Any, Iterable
 
 __all__ = ["ConfigError", "check_keys", "expect_bool", "expect_int", "fmt"]
@@ -12,9 +13,17 @@ class ConfigError(ValueError):
     """A training config (MindFormers YAML or Megatron flags) cannot be turned into a plan."""
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 3, 8, 6
+
+
 def fmt(value: Any) -> str:
-    """A short rendering of a config value for an error message."""
-    text = repr(value)
+    """A short rendering of a config value for an error message.
+
+    Bounded before it is built: a YAML alias can make a value of 10**9 items from a few lines.
+    """
+    text = _REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

@@ -9,18 +9,23 @@ lies under another match is dropped (the module already covers it).
 
 from __future__ import annotations
 
+import functools
 import re
+import sys
+import types
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from profiler._units import UnitNamer, find_layers, join, leaf_label
 
 from ._errors import ConfigError, fmt
 
-__all__ = ["LayerNames", "layer_names"]
+__all__ = ["LayerNames", "clone_module", "fake_clone", "layer_names", "rebind"]
 
 _ATTENTION_MODULES = ("attention", "self_attn", "attn", "self_attention")
 
@@ -92,6 +97,119 @@ def _guessed_core(modules: tuple[str, ...], units: tuple[str, ...]) -> tuple[str
     return ()
 
 
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+class _Through(nn.Module):
+    """Stands in a wrapper (DDP, DataParallel, torch.compile's OptimizedModule) in a clone: runs its one child."""
+
+    def __init__(self, child_name: str, child: nn.Module) -> None:
+        super().__init__()
+        self.add_module(child_name, child)
+        self.child_name = child_name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._modules[self.child_name](*args, **kwargs)
+
+
+def _wrapped_child(module: nn.Module) -> str | None:
+    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        return "module"
+    cls = type(module)
+    if cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo"):
+        return "_orig_mod"
+    return None
+
+
+def _plain_class(module: nn.Module) -> type:
+    """The module's own class: ``fully_shard``'s generated ``FSDP<Class>`` loses its hooks in the clone."""
+    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
+    cls = type(module)
+    if fsdp_module is None or not isinstance(module, fsdp_module):
+        return cls
+    return next(c for c in cls.__mro__ if not issubclass(c, fsdp_module))
+
+
+def rebind(fn: Any, old: nn.Module, new: nn.Module) -> Callable[..., Any] | None:
+    """``fn`` (a forward) made to run on ``new`` where it ran on ``old``: a method of ``old`` or a
+    ``functools.partial`` over it (accelerate's hooks); None for anything else."""
+    if isinstance(fn, types.MethodType):
+        return fn.__func__.__get__(new) if fn.__self__ is old else None
+    if isinstance(fn, functools.partial):
+        func = rebind(fn.func, old, new) if isinstance(fn.func, (types.MethodType, functools.partial)) else fn.func
+        if func is None or (func is fn.func and not any(a is old for a in fn.args)):
+            return None
+        return functools.partial(func, *(new if a is old else a for a in fn.args), **fn.keywords)
+    return None
+
+
+def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor]
+                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """A copy of ``model``'s module tree that shares no tensor, hook or container with it.
+
+    Note: [throw-away clone] every trace of a user's model runs on such a copy (tests/test_model_state.py).
+    Each parameter and buffer becomes ``tensor(t, is_parameter)`` (tied ones stay tied), other tensors held
+    in a module's attributes ``tensor(t, False)``; hooks are dropped (FSDP2's unshard, DDP's and the
+    executor's), ``fully_shard``'s class and state are dropped, DDP/DataParallel/``torch.compile`` wrappers
+    become a plain call of their child under the same name, an instance ``forward`` bound to the module is
+    rebound to the copy (:func:`rebind`) and any other (a wrapper closing over the original: the executor's)
+    is dropped.
+    Returns the copy and, by ``id`` of each copied module, its original.
+    """
+    memo: dict[int, Any] = {}
+    originals: dict[int, nn.Module] = {}
+
+    def leaf(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        if id(t) not in memo:
+            memo[id(t)] = tensor(t, is_param)
+        return memo[id(t)]
+
+    def value(v: Any) -> Any:
+        return tree_map(lambda x: leaf(x, False) if isinstance(x, torch.Tensor) else x, v)
+
+    def copy(module: nn.Module) -> nn.Module:
+        if id(module) in memo:
+            return memo[id(module)]
+        child = _wrapped_child(module)
+        if child is not None:
+            new: nn.Module = _Through(child, copy(module._modules[child]))
+        else:
+            new = object.__new__(_plain_class(module))
+            state: dict[str, Any] = {}
+            for key, v in module.__dict__.items():
+                if key in _HOOK_DICTS:
+                    state[key] = type(v)()
+                elif key == "_parameters":
+                    state[key] = type(v)((n, None if p is None else leaf(p, True)) for n, p in v.items())
+                elif key == "_buffers":
+                    state[key] = type(v)((n, None if b is None else leaf(b, False)) for n, b in v.items())
+                elif key == "_modules":
+                    state[key] = type(v)((n, None if m is None else copy(m)) for n, m in v.items())
+                elif key == "forward":
+                    forward = rebind(v, module, new)
+                    if forward is not None:
+                        state[key] = forward
+                elif "composable_api" not in key:  # fully_shard's state
+                    state[key] = value(v)
+            new.__dict__.update(state)
+        memo[id(module)] = new
+        originals[id(new)] = module
+        return new
+
+    return copy(model), originals
+
+
+def fake_clone(model: nn.Module, fake_mode: Any) -> tuple[nn.Module, dict[int, nn.Module]]:
+    """:func:`clone_module` with fake tensors of ``fake_mode`` (full shape, dtype, device, ``requires_grad``)."""
+    def make(t: torch.Tensor, is_param: bool) -> torch.Tensor:
+        with fake_mode:
+            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
+            return nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
+    return clone_module(model, make)
+
+
 def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
     """Units of layer 0 from one fake-tensor forward on token ids (LMs); () when the model takes other inputs.
 
@@ -102,6 +220,12 @@ def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
 
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
+        return ()
+    param = next(model.parameters(), None)
+    fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        model, _ = fake_clone(model, fake)  # Note: [throw-away clone]
+    except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only
         return ()
     namer = UnitNamer(model)
     prefix = (container + ".0.") if container else "0."
@@ -124,27 +248,20 @@ def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
     def stop(module, args, output):
         raise _Stop  # layer 0 is all we need: skip the rest of the forward
 
-    handles = []
     layer0 = model.get_submodule(prefix[:-1])
     for module in layer0.modules():
-        handles.append(module.register_forward_pre_hook(lambda m, a: namer.enter(m)))
-        handles.append(module.register_forward_hook(lambda m, a, o: namer.exit(m)))
-    handles.append(layer0.register_forward_hook(stop))
+        module.register_forward_pre_hook(lambda m, a: namer.enter(m))
+        module.register_forward_hook(lambda m, a, o: namer.exit(m))
+    layer0.register_forward_hook(stop)
     try:
-        param = next(model.parameters(), None)
-        fake = maybe_get_fake_mode(param) if param is not None else None
-        fake = fake or FakeTensorMode(allow_non_fake_inputs=True)
         with torch.no_grad(), torch.random.fork_rng(devices=[]), fake:
-            tokens = fake.from_tensor(torch.zeros(1, 4, dtype=torch.long))
+            tokens = torch.zeros(1, 4, dtype=torch.long, device=embedding.weight.device)
             with _Collect():
                 model(tokens)
     except _Stop:
         pass
     except Exception:  # noqa: BLE001 - a model that does not take token ids: structural names only
         return ()
-    finally:
-        for handle in handles:
-            handle.remove()
     return tuple(found)
 
 

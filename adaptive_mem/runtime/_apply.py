@@ -17,10 +17,10 @@ from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
-from adaptive_mem.runtime._resolve import LayerMode, Resolution, log_plan, resolve_plan
+from adaptive_mem.runtime._resolve import LayerMode, PlanSummary, Resolution, log_plan, resolve_plan, summarize
 from adaptive_mem.runtime._swap_engine import SwapStats
 
-__all__ = ["apply_plan", "OptimizeHandle", "trace_units"]
+__all__ = ["apply_plan", "OptimizeHandle", "PlanSummary", "trace_units"]
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +30,12 @@ _APPLIED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = weakref.WeakKeyD
 class OptimizeHandle:
     """What :func:`optimize` returns: a context manager whose exit (or :meth:`remove`) restores the model."""
 
-    def __init__(self, model: nn.Module, plan: Plan, executor: Executor, res: Resolution) -> None:
+    def __init__(self, model: nn.Module, plan: Plan, executor: Executor, res: Resolution, *,
+                 summary: PlanSummary | None = None) -> None:
         self.model = model
         self.plan = plan
         self.resolution = res
+        self._summary = summary if summary is not None else summarize(plan, res)
         self._executor: Executor | None = executor
         self._check: Any = None
 
@@ -51,6 +53,10 @@ class OptimizeHandle:
     @property
     def active(self) -> bool:
         return self._executor is not None
+
+    def summary(self) -> PlanSummary:
+        """What took effect when the plan was applied (``str()`` of it is the line ``optimize`` logged)."""
+        return self._summary
 
     def remove(self) -> None:
         """Take every wrapper and hook off the model; safe to call twice."""
@@ -132,12 +138,14 @@ def check_inputs(plan: Plan, model: nn.Module, args: tuple, kwargs: dict) -> Non
 
 
 def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
-    """Unit names of one forward of ``model`` on fake tensors (nothing allocated, no RNG consumed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    """Unit names of one forward of ``model`` on fake tensors (nothing allocated, no RNG consumed), run on a
+    fake clone of it (Note: [throw-away clone])."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_map
 
-    namer = UnitNamer(model)
+    from adaptive_mem.config._names import fake_clone
+
     names: dict[str, None] = {}
 
     class _Names(TorchDispatchMode):
@@ -147,20 +155,18 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
                 names.setdefault(unit)
             return func(*a, **(k or {}))
 
-    handles = []
-    for module in model.modules():
-        handles.append(module.register_forward_pre_hook(lambda m, a: namer.enter(m)))
-        handles.append(module.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True))
-    try:
-        with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
-            fa, fk = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-                              (tuple(args), dict(kwargs or {})))
-            with fake, _Names(), torch.no_grad():
-                model(*fa, **fk)
-    finally:
-        for h in handles:
-            h.remove()
+    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+        param = next(model.parameters(), None)
+        fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+        clone, _ = fake_clone(model, fake)
+        namer = UnitNamer(clone)
+        for module in clone.modules():
+            module.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            module.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
+        fa, fk = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor)
+                          and maybe_get_fake_mode(x) is not fake else x, (tuple(args), dict(kwargs or {})))
+        with fake, _Names(), torch.no_grad():
+            clone(*fa, **fk)
     return list(names)
 
 
@@ -187,13 +193,14 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
         check_inputs(plan, model, tuple(example_inputs), {})
         units = trace_units(model, tuple(example_inputs))
     res = resolve_plan(plan, model, units=units)
+    summary = summarize(plan, res, units=units, profile=profile)
     if plan.distribute_saved_activations and any(m is LayerMode.WHOLE for m in res.modes):
         try:
             from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint  # noqa: F401
         except ImportError as exc:
             raise PlanError(f"plan.distribute_saved_activations=true: not available here ({exc})") from None
     executor = Executor(model, plan, res, host_store=host_store, host_dir=host_dir)
-    handle = OptimizeHandle(model, plan, executor, res)
+    handle = OptimizeHandle(model, plan, executor, res, summary=summary)
     needs_check = bool(plan.fingerprint or plan.model or res.provisional) and example_inputs is None
     if needs_check:
         def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -207,10 +214,14 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
                 handle.remove()
                 raise
         handle._check = model.register_forward_pre_hook(first_forward, prepend=True, with_kwargs=True)
+        executor.own(handle._check)  # Note: [copy drops the plan]
     executor.install()
     _APPLIED[model] = weakref.ref(handle)
     if config is None:  # the config front-ends log the seeds' lines themselves
         log_plan(plan, res)
+    log.info("%s", summary)
+    if summary.requested and not summary.takes_effect:
+        log.warning("optimize: the plan asks for recompute/swap but nothing takes effect: %s", summary.causes())
     return handle
 
 

@@ -9,9 +9,14 @@ What gets installed, and only when the plan needs it (an all-keep plan installs 
   dispatch mode records producing units of swap storages, and saved-tensor
   hooks hand those to the :class:`SwapEngine`;
 * prefetch triggers are tensor hooks on each layer's output (backward
-  begins that layer) and on the model output (backward begins).
+  begins that layer) and on the model output (backward begins);
+* with swaps, the model's forward runs outside dynamo (an instance ``forward``;
+  Note: [compile honoured] in ``_op_level.py``).
 
 :meth:`Executor.remove` deletes the instance forwards and every hook handle.
+
+Copies of the model (``copy.deepcopy``, ``pickle``, ``torch.save``) leave all of it out
+(Note: [copy drops the plan] in ``_copy_guard.py``).
 
 This module holds the layer-level part (install / remove, whole-layer and group
 recompute, hooks); selective checkpoint and the op-level swap path (the
@@ -32,7 +37,8 @@ from profiler._units import UnitNamer
 from search._plan import Action, Plan
 
 from ._accounting import current_accounting
-from ._op_level import OpLevelPaths, SacLayer
+from ._copy_guard import CopyGuard
+from ._op_level import OpLevelPaths, SacLayer, outside_dynamo
 from ._resolve import LayerMode, Resolution
 from ._sac_policy import OpCounter
 from ._swap_engine import SwapEngine
@@ -92,6 +98,8 @@ class Executor(OpLevelPaths):
         self._pushed: list[tuple[Any, Any] | None] = []
         self._group_outputs: dict[int, tuple[torch.Tensor | None, Any]] = {}
         self._sac: dict[int, SacLayer] = {}
+        self._copies = CopyGuard(model, handles=self._handles, forwards=self._forwards)
+        self._compile_warned = False
         self.engine: SwapEngine | None = None
         if plan.targets(Action.SWAP):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -116,22 +124,36 @@ class Executor(OpLevelPaths):
         if needs_names:
             roots = [self.model] if res.swap_outside_sac else [self.layers[i] for i in self._sac]
             seen: set[int] = set()
+            enter, leave = outside_dynamo(self._enter), outside_dynamo(self._exit)  # Note: [compile honoured]
             for root in roots:
                 for module in root.modules():
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    self._handles.append(module.register_forward_pre_hook(self._enter))
-                    self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+                    self._handles.append(module.register_forward_pre_hook(enter))
+                    self._handles.append(module.register_forward_hook(leave, always_call=True))
         if self.engine is not None:
-            self._handles.append(self.model.register_forward_pre_hook(self._root_pre))
-            self._handles.append(self.model.register_forward_hook(self._root_post, always_call=True))
+            model = self.model
+            self._handles.append(model.register_forward_pre_hook(outside_dynamo(self._root_pre)))
+            self._handles.append(model.register_forward_hook(outside_dynamo(self._root_post), always_call=True))
             for i, layer in enumerate(self.layers):
-                self._handles.append(layer.register_forward_pre_hook(functools.partial(self._layer_pre, i)))
-                self._handles.append(layer.register_forward_hook(functools.partial(self._layer_post, i),
-                                                                 always_call=True))
+                pre, post = (outside_dynamo(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
+                self._handles.append(layer.register_forward_pre_hook(pre))
+                self._handles.append(layer.register_forward_hook(post, always_call=True))
+            had = "forward" in model.__dict__
+            self._forwards.append((model, had, model.__dict__.get("forward")))
+            model.forward = outside_dynamo(model.__dict__["forward"] if had else type(model).forward.__get__(model))
+        if self.engine is not None or self._sac:
+            self._handles.append(self.model.register_forward_pre_hook(outside_dynamo(self._watch_compile)))
+            self._check_compile()
+        self._copies.install()
+
+    def own(self, handle: Any) -> None:
+        """Take a hook handle registered on the model for this plan: removed and left out of copies with the rest."""
+        self._handles.append(handle)
 
     def remove(self) -> None:
+        self._copies.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

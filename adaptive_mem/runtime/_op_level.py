@@ -9,11 +9,26 @@
 
 :class:`OpLevelPaths` is a mixin of ``Executor``; the attributes annotated on it
 are set by ``Executor.__init__``.
+
+Note: [compile honoured]. Dynamo cannot trace these two paths (a dispatch mode and
+saved-tensor hooks; the SAC policy names each op by module), and a compiled frame
+first entered under a non-infra dispatch mode is marked to run eager for good (the
+block stays eager after ``remove()``, with 0 graphs and 0 graph breaks reported).
+So both paths run outside dynamo on purpose: selective-checkpoint forwards and every
+executor hook are ``torch.compiler.disable``d, and while the swap hooks are pushed the
+model's forward is disabled and the stance is ``force_eager``, so compiled blocks run
+eager without being marked. Whole-layer and group recompute stay traceable and keep
+compiled blocks compiled. When compiled blocks meet an eager-only path, one warning per
+plan application names the blocks and the reason (:meth:`OpLevelPaths._check_compile`,
+at install and at each forward until it has warned; guarded by
+tests/test_compile_honoured.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import sys
 import weakref
 from typing import Any, Callable
 
@@ -33,6 +48,48 @@ from ._swap_engine import Packed, SwapEngine
 __all__ = ["OpLevelPaths", "SacLayer"]
 
 log = logging.getLogger(__name__)
+
+_SWAP_WHY = "saved-tensor hooks and the op tracker (a dispatch mode) of the swap engine are not traceable by dynamo"
+_SAC_WHY = "the selective-checkpoint policy (a dispatch mode naming each op by module) is not traceable by dynamo"
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    """``module.compile()``d, or torch.compile's ``OptimizedModule`` wrapper."""
+    cls = type(module)
+    return getattr(module, "_compiled_call_impl", None) is not None or (
+        cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo"))
+
+
+def _in_optimized_module() -> bool:
+    """True inside the call of a ``torch.compile(module)`` wrapper (the whole model compiled)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    check = getattr(eval_frame, "_is_in_optimized_module", None)
+    return bool(check is not None and check())
+
+
+def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Callable[..., Any]:
+    """``fn`` never traced by dynamo; with ``eager_callees`` compiled modules it calls run eager, unmarked
+    (Note: [compile honoured])."""
+    if eager_callees:
+        inner = fn
+
+        @functools.wraps(inner)
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            with torch.compiler.set_stance("force_eager"):
+                return inner(*args, **kwargs)
+    return torch.compiler.disable(fn)
+
+
+def _span(container: str, indices: list[int]) -> str:
+    """``layers.0-3``, ``layers.1, layers.3``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{container}.{r[0]}" + (f"-{r[-1]}" if len(r) > 1 else "") for r in runs)
+
 
 class _Tracker(TorchDispatchMode):
     """Records which swap unit produced each storage during forward."""
@@ -97,9 +154,41 @@ class OpLevelPaths:
     _swap_cache: dict[str, tuple[int | None, int] | None]
     _last_layer: int | None
     _quiet_layer: bool
-    _pushed: list[tuple[Any, Any] | None]
+    _pushed: list[tuple[Any, ...] | None]
     _sac: dict[int, SacLayer]
     _orig: Callable[[int], Callable[..., Any]]
+    _compile_warned: bool
+
+    # ================================================================== torch.compile (Note: [compile honoured])
+    def _compiled_blocks(self, *, in_forward: bool) -> tuple[bool, list[int]]:
+        """Whether the whole model is compiled, and the compiled blocks (also those compiled after install)."""
+        whole = _is_compiled(self.model) or (in_forward and _in_optimized_module())
+        info = self.res.layers
+        blocks = [i for i in range(self.num_layers)
+                  if _is_compiled(self.layers[i]) or _is_compiled(self.model.get_submodule(info.layer_path(i)))]
+        return whole, blocks
+
+    def _check_compile(self, *, in_forward: bool = False) -> None:
+        """Warn once when compiled blocks meet a path dynamo cannot trace."""
+        if self._compile_warned or (self.engine is None and not self._sac):
+            return
+        whole, blocks = self._compiled_blocks(in_forward=in_forward)
+        if not whole and not blocks:
+            return
+        container = self.res.layers.container if self.res.layers is not None else ""
+        parts = []
+        if self.engine is not None:
+            where = "the whole model" if whole else _span(container, blocks)
+            parts.append(f"swap of {where} runs outside the compiled region: {_SWAP_WHY}")
+        sac = sorted(self._sac) if whole else sorted(set(self._sac) & set(blocks))
+        if sac:
+            parts.append(f"select recompute of {_span(container, sac)} runs outside the compiled region: {_SAC_WHY}")
+        if parts:
+            self._compile_warned = True
+            log.warning("adaptive_mem: %s; the blocks run eager", "; ".join(parts))
+
+    def _watch_compile(self, module: nn.Module, args: Any) -> None:
+        self._check_compile(in_forward=True)
 
     # ================================================================== selective checkpoint
     def _selective(self, i: int) -> Callable[..., Any]:
@@ -118,6 +207,8 @@ class OpLevelPaths:
                 self._opaque -= 1
                 self.namer._stack = saved_stack
 
+        run = outside_dynamo(run, eager_callees=True)  # also when backward replays it
+
         def context_fn() -> tuple[Any, Any]:
             fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(state.policy)
             contexts.append(fwd_ctx)
@@ -129,7 +220,7 @@ class OpLevelPaths:
             if not torch.is_grad_enabled():
                 return orig(*args, **kwargs)
             if state.trace is None:
-                self._prepare_sac(state, run, args, kwargs)
+                self._prepare_sac(state, layer, orig, args, kwargs)
             state.swap_outputs = {}
             contexts.clear()
             out = checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
@@ -137,10 +228,11 @@ class OpLevelPaths:
                 self._swap_cache_entries(state, contexts[0])
             contexts.clear()
             return out
-        return forward
+        return outside_dynamo(forward, eager_callees=True)
 
-    def _prepare_sac(self, state: SacLayer, run: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        state.trace = trace = trace_layer(run, state.counter, args, kwargs)
+    def _prepare_sac(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
+                     kwargs: dict) -> None:
+        state.trace = trace = trace_layer(layer, forward, state.counter, args, kwargs)
         actions = {u: decide(self.plan, u).action for u in trace.units}
         for unit in trace.units:
             if actions[unit] is Action.SWAP:
@@ -212,17 +304,15 @@ class OpLevelPaths:
         if not torch.is_grad_enabled():
             self._pushed.append(None)
             return
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        tracker = _Tracker(self) if self.res.swap_outside_sac else None
-        hooks.__enter__()
-        if tracker is not None:
-            tracker.__enter__()
-        self._pushed.append((hooks, tracker))
+        entry: tuple[Any, ...] = (torch.compiler.set_stance("force_eager"),  # Note: [compile honoured]
+                                  torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack))
+        if self.res.swap_outside_sac:
+            entry += (_Tracker(self),)
+        for ctx in entry:
+            ctx.__enter__()
+        self._pushed.append(entry)
 
     def _pop(self) -> None:
         entry = self._pushed.pop()
-        if entry is not None:
-            hooks, tracker = entry
-            if tracker is not None:
-                tracker.__exit__(None, None, None)
-            hooks.__exit__(None, None, None)
+        for ctx in reversed(entry or ()):
+            ctx.__exit__(None, None, None)

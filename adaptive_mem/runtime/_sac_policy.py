@@ -12,8 +12,8 @@ Note: [SAC policy] (docs/plan-format.md). Inside a layer run under
   kernel of the layer's last op that saves a tensor (PyTorch's early stop), so such
   ops cost replay time only when they run before that point.
 
-Which op outputs autograd saves is learnt once per layer by running the
-layer on fake tensors (:func:`trace_layer`): shapes only, nothing allocated.
+Which op outputs autograd saves is learnt once per layer by running a fake
+clone of the layer (:func:`trace_layer`): shapes only, nothing allocated.
 An op is identified by ``(unit, ordinal)``: its unit name and how many
 non-view ops of that unit ran before it in the same layer call.
 """
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
@@ -106,36 +107,78 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def trace_layer(run: Callable[..., Any], counter: OpCounter, args: tuple, kwargs: dict) -> LayerTrace:
-    """Run ``run(*args, **kwargs)`` (the layer call, which resets ``counter``) on fake tensors and record
-    units, consumers and which op outputs autograd saves."""
+def _devices(tensors: list[Any]) -> list[int]:
+    return sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
+
+
+def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, args: tuple,
+                kwargs: dict) -> LayerTrace:
+    """Run the layer call ``forward(*args, **kwargs)`` (``forward``: ``layer``'s own forward) once on a
+    throw-away clone of ``layer`` (Note: [throw-away clone]) and record units, consumers and which op
+    outputs autograd saves: on fake tensors, else (data-dependent ops) on real ones, parameters aliased
+    read-only, buffers copied, RNG state restored."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    trace = LayerTrace()
+    from adaptive_mem.config._names import clone_module, fake_clone, rebind
+
+    namer = counter.namer
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage()._cdata)
         return t
 
-    with _disable_current_modes(), torch.random.fork_rng(devices=[]):
+    def run_on(clone: nn.Module, originals: dict[int, nn.Module], cargs: tuple, ckwargs: dict) -> _Recorder:
+        call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
+        aliased = [id(c) for c in clone.modules() if id(originals[id(c)]) in namer.paths]
+        for c in clone.modules():
+            o = id(originals[id(c)])
+            if o in namer.paths:
+                namer.paths[id(c)] = namer.paths[o]
+                if o in namer.leaves:
+                    namer.leaves.add(id(c))
+                    namer.labels[id(c)] = namer.labels[o]
+            c.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            c.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
+        trace = LayerTrace()
+        saved.clear()
+        recorder = _Recorder(counter, trace)
+        stack, namer._stack = namer._stack, [(clone, {})]
+        counter.reset()
+        try:
+            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+                call(*cargs, **ckwargs)
+        finally:
+            namer._stack = stack
+            for key in aliased:
+                namer.paths.pop(key, None)
+                namer.leaves.discard(key)
+                namer.labels.pop(key, None)
+        return recorder
+
+    tensors = tree_flatten((args, kwargs))[0] + list(layer.parameters())
+    with _disable_current_modes(), torch.random.fork_rng(devices=_devices(tensors)):
         try:
             fake = FakeTensorMode(allow_non_fake_inputs=True)
+            clone, originals = fake_clone(layer, fake)
             fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                                       (args, kwargs))
-            recorder = _Recorder(counter, trace)
-            with fake, recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-                run(*fargs, **fkwargs)
+            with fake:
+                recorder = run_on(clone, originals, fargs, fkwargs)
         except Exception as exc:  # data-dependent ops: learn the same facts from one real forward, discarded
             log.info("fake-tensor pass of the layer failed (%s: %s); tracing it on real tensors once",
                      type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-            trace = LayerTrace()
-            saved.clear()
+            versions = [(p, p._version) for p in layer.parameters()]
+            clone, originals = clone_module(layer, lambda t, is_param: nn.Parameter(
+                t.detach(), requires_grad=t.requires_grad) if is_param else t.detach().clone())
             rargs, rkwargs = tree_map(lambda x: x.detach().requires_grad_(x.requires_grad)
                                       if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
-            recorder = _Recorder(counter, trace)
-            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-                run(*rargs, **rkwargs)
+            recorder = run_on(clone, originals, rargs, rkwargs)
+            changed = [p for p, v in versions if p._version != v]
+            if changed:
+                raise RuntimeError(f"selective checkpoint: the layer's forward wrote to {len(changed)} of its "
+                                   "parameters in place; op-level plans need a forward that leaves them unchanged")
+    trace = recorder.trace
     trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
     trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
     return trace

@@ -327,6 +327,10 @@ class SwapEngine:
         """Host bytes the pool holds (in use or free)."""
         return self.pool.allocated_bytes
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError("a SwapEngine cannot be copied or pickled (it owns a copy thread and host buffers); a model "
+                        "under the adaptive loop (optimize(budget=...)) can be copied once its handle is removed")
+
 
 def unpack_saved(x: Any) -> Any:
     return x.unpack() if isinstance(x, Packed) else x
