@@ -203,6 +203,12 @@ class Profile:
             value = profile.model.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
                 raise ProfileError(f"profile.model.{key}={_short(value)}: expected a positive integer")
+        for key in ("spec", "dtype", "fingerprint"):  # compared with a plan's (search._match)
+            value = profile.model.get(key)
+            if value is not None and not isinstance(value, str):
+                raise ProfileError(f"profile.model.{key}={_short(value)}: expected a string or null")
+        if profile.model.get("parameters") is not None:
+            _check("profile.model.parameters", profile.model["parameters"], "int")
         _check_references(profile)
         return profile
 

@@ -23,6 +23,8 @@ __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanErr
 
 PLAN_FORMAT = "adaptive-mem-plan"
 PLAN_VERSION = 1
+MAX_PREFETCH = 2**31 - 1
+"""The largest ``backward_prefetch``: any count past the layers left already means "at the start of backward"."""
 
 
 class PlanError(ValueError):
@@ -49,8 +51,9 @@ class Decision:
         if not isinstance(self.action, Action):
             object.__setattr__(self, "action", _action(self.action, "action"))
         if isinstance(self.backward_prefetch, bool) or not isinstance(self.backward_prefetch, int) \
-                or self.backward_prefetch < 0:
-            raise PlanError(f"backward_prefetch={self.backward_prefetch!r}: expected an integer >= 0")
+                or not 0 <= self.backward_prefetch <= MAX_PREFETCH:
+            raise PlanError(f"backward_prefetch={_short(self.backward_prefetch)}: expected an integer >= 0 and "
+                            f"<= {MAX_PREFETCH}")
 
     def to_dict(self) -> dict[str, Any]:
         if self.action is Action.SWAP:
@@ -201,8 +204,9 @@ class Plan:
                 raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
             action = _action(spec["action"], f"{where}.action")
             prefetch = spec.get("backward_prefetch", 1)
-            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch < 2**31:
-                raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and below 2**31")
+            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+                raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and "
+                                f"<= {MAX_PREFETCH}")
             decisions[target] = Decision(action, prefetch)
         groups = data.get("groups", [])
         if not isinstance(groups, list) or not all(

@@ -53,6 +53,9 @@ def write_text_atomic(path: str, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes it private; the file is the user's output
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

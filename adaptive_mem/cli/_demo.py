@@ -34,14 +34,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trade_off_budget(model) -> float:
-    """Activation budget halfway between full recompute's activation peak and keeping everything."""
-    from search import Problem, get_solver
-    from search._budget import activation_peak
+    """The activation budget whose peak limit lies halfway between full recompute's predicted peak and keeping
+    everything (``Budget.resolve``: static memory plus the fraction of the keep-all activation peak)."""
+    from search import Budget, Problem, get_solver
 
-    none = get_solver("none").solve(Problem(model, 1 << 62)).assignment
-    full = get_solver("full").solve(Problem(model, 1 << 62)).assignment
-    kept, least = activation_peak(model, none), activation_peak(model, full)
-    return round((least + (kept - least) / 2) / kept, 4)
+    none = get_solver("none").solve(Problem(model, 1 << 62)).cost.peak_bytes
+    full = get_solver("full").solve(Problem(model, 1 << 62)).cost.peak_bytes
+    target = full + (none - full) // 2
+    lo, hi = 0.0, 1.0
+    for _ in range(40):  # smallest fraction whose budget reaches the target (resolve is monotonic)
+        mid = (lo + hi) / 2
+        if Budget(activation_fraction=mid).resolve(model) >= target:
+            hi = mid
+        else:
+            lo = mid
+    return round(hi, 4)
 
 
 def run(args: argparse.Namespace) -> int:

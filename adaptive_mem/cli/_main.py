@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line(exc: BaseException) -> str:
+    """The refusal as one line, whatever raised it (a library's message may span lines, or be empty)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -58,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         if args.debug:
             raise
-        print(f"adaptive-mem {args.command}: error: {exc}", file=sys.stderr)
+        print(f"adaptive-mem {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -15,7 +15,7 @@ class ConfigError(ValueError):
 
 _REPR = reprlib.Repr()
 _REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 3, 8, 6
+_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 3, 8, 5
 
 
 def fmt(value: Any) -> str:
@@ -48,7 +48,9 @@ def expect_bool(value: Any, path: str) -> bool:
     return value
 
 
-def expect_int(value: Any, path: str, *, minimum: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{path}={fmt(value)}: expected an integer >= {minimum}")
+def expect_int(value: Any, path: str, *, minimum: int = 0, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum \
+            or (maximum is not None and value > maximum):
+        upper = "" if maximum is None else f" and <= {maximum}"
+        raise ConfigError(f"{path}={fmt(value)}: expected an integer >= {minimum}{upper}")
     return value

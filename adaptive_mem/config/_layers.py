@@ -41,6 +41,7 @@ class StageLayout:
         where = {"pipeline_stage": "pipeline_stage", "interleave": "pp_interleave_num", "offset": "offset",
                  **(where or {})}
         pp, vv = pipeline_stage, interleave
+        cls._check_chunks(num_layers, pp, vv, offset, where)
         grid = cls._offset_grid(offset, pp, vv, where)
         base = num_layers // (pp * vv)
         counts = tuple(tuple(base + o for o in row) for row in grid)
@@ -56,6 +57,22 @@ class StageLayout:
                     raise ConfigError(f"{where['offset']}={fmt(offset)}: chunk [{v}][{s}] gets {count} layers; "
                                       "expected offsets leaving every chunk >= 0 layers")
         return cls(num_layers, pp, vv, counts)
+
+    @staticmethod
+    def _check_chunks(num_layers: int, pp: int, vv: int, offset: Any, where: dict[str, str]) -> None:
+        """Refuse, before building any grid, more chunks than an offset can fill (10**9 stages is an error, not a loop).
+
+        Every chunk of an integer offset gets the same count, and a per-stage offset list repeats over the
+        interleaved chunks: their layers sum to ``num_layers`` only if there are at most that many chunks
+        (or interleave rows). A 2-D offset list is as long as the file says.
+        """
+        if _is_int(offset) and pp * vv > num_layers:
+            raise ConfigError(f"{where['pipeline_stage']}={fmt(pp)} x {where['interleave']}={fmt(vv)}: more chunks "
+                              f"than the {num_layers} layers; expected at most {num_layers} chunks, or a "
+                              f"[interleave][stage] {where['offset']} list giving each chunk its layers")
+        if isinstance(offset, (list, tuple)) and all(_is_int(o) for o in offset) and vv > num_layers:
+            raise ConfigError(f"{where['interleave']}={fmt(vv)}: more interleaved chunks per stage than the "
+                              f"{num_layers} layers; expected at most {num_layers}")
 
     @staticmethod
     def _offset_grid(offset: Any, pp: int, vv: int, where: dict[str, str]) -> list[list[int]]:
@@ -131,7 +148,7 @@ class StageLayout:
             wanted = []
             for j, item in enumerate(value):
                 if _is_int(item) and item < 0:
-                    raise ConfigError(f"{path}[{j}]={item}: expected a layer count >= 0 or True/False")
+                    raise ConfigError(f"{path}[{j}]={fmt(item)}: expected a layer count >= 0 or True/False")
                 wanted.append((_ALL if item else 0) if isinstance(item, bool) else item)
             return self._spread(wanted)
         if len(value) != vv:

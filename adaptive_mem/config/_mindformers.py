@@ -61,7 +61,7 @@ def _layer_count(names: LayerNames, config_layers: Any, num_layers: int | None) 
                           "num_layers=")
     for value, what in ((num_layers, "num_layers"), (config_layers, "model.model_config.num_layers")):
         if value is not None and value != have:
-            raise ConfigError(f"{what}={value}: the model has {have} layers; expected {have}")
+            raise ConfigError(f"{what}={fmt(value)}: the model has {have} layers; expected {have}")
     return have
 
 

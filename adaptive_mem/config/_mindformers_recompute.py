@@ -67,7 +67,7 @@ def _layer_indices(value: Any, path: str, num_layers: int) -> bool | list[int]:
         if isinstance(item, bool) or not isinstance(item, int):
             raise ConfigError(f"{path}[{i}]={fmt(item)}: expected a layer index; whole value expected {form}")
         if not 0 <= item < num_layers:
-            raise ConfigError(f"{path}[{i}]={item}: layer index out of range; expected 0..{num_layers - 1}")
+            raise ConfigError(f"{path}[{i}]={fmt(item)}: layer index out of range; expected 0..{num_layers - 1}")
         out.append(item)
     return out
 

@@ -21,6 +21,8 @@ __all__ = ["SWAP_KEYS", "LayerSwap", "OpSwap", "parse_swap"]
 log = logging.getLogger(__name__)
 
 SWAP_KEYS = ("swap", "default_prefetch", "layer_swap", "op_swap")
+MAX_PREFETCH = 2**31 - 1
+"""The largest ``backward_prefetch`` a plan file holds (any count past the layers left means "at once")."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,7 @@ def _layers(value: Any, path: str, num_layers: int) -> list[int]:
         if isinstance(item, bool) or not isinstance(item, int):
             raise ConfigError(f"{path}[{i}]={fmt(item)}: expected a layer index; whole value expected {form}")
         if not 0 <= item < num_layers:
-            raise ConfigError(f"{path}[{i}]={item}: layer index out of range; expected 0..{num_layers - 1}")
+            raise ConfigError(f"{path}[{i}]={fmt(item)}: layer index out of range; expected 0..{num_layers - 1}")
     return list(value)
 
 
@@ -87,14 +89,15 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
     section = check_keys(section, where, SWAP_KEYS)
     swap, default_prefetch = section.get("swap"), section.get("default_prefetch")  # YAML `key:` (None) = default
     result = LayerSwap(enabled=expect_bool(False if swap is None else swap, f"{where}.swap"))
-    default_prefetch = expect_int(1 if default_prefetch is None else default_prefetch, f"{where}.default_prefetch")
+    default_prefetch = expect_int(1 if default_prefetch is None else default_prefetch, f"{where}.default_prefetch",
+                                  maximum=MAX_PREFETCH)
     layer_entries = _entries(section.get("layer_swap"), f"{where}.layer_swap", ("backward_prefetch", "layers"))
     op_entries = _entries(section.get("op_swap"), f"{where}.op_swap", ("op_name", "backward_prefetch", "layers"))
 
     parsed_layers = []
     for i, entry in enumerate(layer_entries):
         path = f"{where}.layer_swap[{i}]"
-        parsed_layers.append((expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch"),
+        parsed_layers.append((expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch", maximum=MAX_PREFETCH),
                               _layers(entry["layers"], f"{path}.layers", num_layers)))
     groups: dict[str, list[tuple[int, list[int]]]] = {}
     targets: dict[str, tuple[str, ...]] = {}
@@ -102,7 +105,8 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
         path = f"{where}.op_swap[{i}]"
         pattern = entry["op_name"]
         targets.setdefault(pattern, tuple(names.resolve(pattern, f"{path}.op_name")))
-        groups.setdefault(pattern, []).append((expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch"),
+        prefetch = expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch", maximum=MAX_PREFETCH)
+        groups.setdefault(pattern, []).append((prefetch,
                                                _layers(entry["layers"], f"{path}.layers", num_layers)))
     if not result.enabled:
         if layer_entries or op_entries or "default_prefetch" in section:
