@@ -128,13 +128,12 @@ def _row(profile: Profile, batch: int, budget: int, solver: Solver, hardware: Ha
     shortfall = device_shortfall(model.hardware, static=model.base + sum(model.grads))
     if shortfall:
         return ThroughputRow(batch, source, None, note=shortfall)
-    least, _ = minimum_budget(model)
-    if least > budget:
-        return ThroughputRow(batch, source, None, note=f"its most memory-saving plan needs {fmt_bytes(least)}")
     try:
         result = solver.solve(Problem(model, budget))
-    except InfeasibleBudgetError as exc:
-        return ThroughputRow(batch, source, None, note=str(exc))
+    except InfeasibleBudgetError:
+        least, _ = minimum_budget(model)
+        return ThroughputRow(batch, source, None, note=f"no {solver.name} plan fits; the most memory-saving "
+                                                       f"candidates need {fmt_bytes(least)}")
     sim = simulate_assignment(model, result.assignment)
     if sim.peak_bytes > budget:  # a solver's plan over the budget is no plan for it
         return ThroughputRow(batch, source, None, note=f"the {result.solver} plan's peak {fmt_bytes(sim.peak_bytes)} "
@@ -164,8 +163,12 @@ def maximize_throughput(*, profiles: Profile | Mapping[int, Profile], batch_size
             raise BudgetError(f"budget={budget.describe()!r}: throughput mode compares batch sizes under one device "
                               "budget; expected a total such as 80GB, not an activation fraction")
         total = budget.total
+    elif isinstance(budget, int) and not isinstance(budget, bool):
+        if budget <= 0:
+            raise BudgetError(f"budget={budget!r}: expected a size > 0")
+        total = budget
     else:
-        total = Budget.parse(budget=str(budget)).total
+        total = Budget.parse(budget=budget).total
     assert total is not None
     solve = get_solver(solver) if isinstance(solver, str) else solver
     seq = next(iter(profiles.values())).model.get("seq_len")
