@@ -177,4 +177,4 @@ def test_cli_given_profiles_and_model(tiny1, tmp_path, capsys):
                        "1,2,4", "--model", "llama-tiny", "-o", tmp_path / "p.yaml")
     assert code == 0 and "scaling check: batch 4" in out
     table = out.split("throughput under")[1]
-    assert "extrapolated" not in table and table.count("profiled") == 3
+    assert "extrapolated" not in table and table.count("profiled,") == 3
