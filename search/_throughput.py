@@ -15,12 +15,13 @@ from typing import Iterable, Mapping
 
 from profiler._profile import HardwareSpec, Profile
 
-from ._budget import Budget, BudgetError, device_shortfall, minimum_budget
+from ._budget import Budget, BudgetError, _min_candidates, device_shortfall, minimum_budget
 from ._model import StepModel
 from ._registry import get_solver
 from ._scaling import profile_for_batch
 from ._simulator import simulate_assignment
-from ._solver import InfeasibleBudgetError, Problem, SolveResult, Solver, fmt_bytes, fmt_seconds
+from ._solver import (InfeasibleBudgetError, PredictedCost, Problem, SolveResult, Solver, SolverStats, fmt_bytes,
+                      fmt_seconds, plan_from_assignment)
 
 __all__ = ["BatchSizesError", "ThroughputRow", "ThroughputResult", "maximize_throughput", "parse_batch_sizes"]
 
@@ -122,6 +123,19 @@ def _source(profile: Profile) -> str:
     return f"extrapolated from batch{'es' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
 
 
+def _most_saving(model: StepModel, budget: int) -> SolveResult | None:
+    """The fastest of the most memory-saving plans (full recompute, swap all, both) that fits, as the adaptive
+    loop falls back to: a solver's space (the MILP's heuristic menus) may miss them."""
+    fits = [(sim, asg) for asg in _min_candidates(model)
+            for sim in [simulate_assignment(model, asg)] if sim.peak_bytes <= budget]
+    if not fits:
+        return None
+    sim, asg = min(fits, key=lambda f: f[0].step_time)
+    plan = plan_from_assignment(model, asg)
+    plan.meta.update({"solver": "most-saving", "predicted_step_time": round(sim.step_time, 9)})
+    return SolveResult("most-saving", plan, PredictedCost.of(sim), SolverStats(0.0), budget, asg)
+
+
 def _row(profile: Profile, batch: int, budget: int, solver: Solver, hardware: HardwareSpec | None) -> ThroughputRow:
     source = _source(profile)
     model = StepModel.build(profile, hardware=hardware)
@@ -131,9 +145,11 @@ def _row(profile: Profile, batch: int, budget: int, solver: Solver, hardware: Ha
     try:
         result = solver.solve(Problem(model, budget))
     except InfeasibleBudgetError:
-        least, _ = minimum_budget(model)
-        return ThroughputRow(batch, source, None, note=f"no {solver.name} plan fits; the most memory-saving "
-                                                       f"candidates need {fmt_bytes(least)}")
+        result = _most_saving(model, budget)
+        if result is None:
+            least, _ = minimum_budget(model)
+            return ThroughputRow(batch, source, None, note=f"no {solver.name} plan fits; the most memory-saving "
+                                                           f"plans need {fmt_bytes(least)}")
     sim = simulate_assignment(model, result.assignment)
     if sim.peak_bytes > budget:  # a solver's plan over the budget is no plan for it
         return ThroughputRow(batch, source, None, note=f"the {result.solver} plan's peak {fmt_bytes(sim.peak_bytes)} "
