@@ -178,3 +178,29 @@ def test_cli_given_profiles_and_model(tiny1, tmp_path, capsys):
     assert code == 0 and "scaling check: batch 4" in out
     table = out.split("throughput under")[1]
     assert "extrapolated" not in table and table.count("profiled,") == 3
+
+
+def test_bench_throughput_section_climbs_until_the_memory(tiny_profiles, tmp_path):
+    """The section's logic with a stand-in worker: peaks grow with the batch; each policy stops at the memory."""
+    from adaptive_mem.bench._throughput import format_throughput, throughput_section
+
+    profile = tiny_profiles[2]
+    per = {"none": 1.0, "full": 0.5, "compile": 0.7, "ours-milp": 0.6}
+    base = profile.peak_memory
+
+    def job(policy, batch, **extra):
+        return {"policy": policy, "batch_size": batch, **extra}
+
+    def spawn(j):
+        peak = base + int(per[j["policy"]] * 400_000 * (j["batch_size"] - 2))
+        return {"status": "ok", "peak_bytes": peak, "tokens_per_s": 100.0 * j["batch_size"] / (1 + per[j["policy"]])}
+
+    section = throughput_section(profile=profile, batch_sizes=[1, 2, 4, 8], job=job, spawn=spawn, out=tmp_path,
+                                 seq_len=32)
+    rows = {r["name"]: r for r in section["rows"]}
+    assert section["memory_bytes"] == base
+    assert rows["none"]["largest_batch"] == 2 and rows["full"]["largest_batch"] == 2
+    assert [t["batch_size"] for t in rows["full"]["tried"]] == [1, 2, 4]  # stops at the first that does not fit
+    assert all(0 <= t["budget"] <= 1 for t in rows["compile"]["tried"])
+    assert rows["ours-milp"]["largest_batch"] in (1, 2, 4, 8) and (tmp_path / "plans" / "throughput-ours.yaml").exists()
+    assert "largest batch" in format_throughput(section)

@@ -34,7 +34,7 @@ def _compile_fraction(profile: Any, batch: int, memory: int) -> float:
 def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..., dict[str, Any]],
                        spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int) -> dict[str, Any]:
     """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section."""
-    from search import fmt_bytes, maximize_throughput
+    from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput
 
     base = int(profile.model["batch_size"])
     reference = spawn(job("none", base))
@@ -56,7 +56,13 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
         rows.append({"policy": label, "name": name, "largest_batch": best and best["batch_size"],
                      "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"],
                      "tried": tried})
-    result = maximize_throughput(profiles=profile, batch_sizes=batch_sizes, budget=memory)
+    try:
+        result = maximize_throughput(profiles=profile, batch_sizes=batch_sizes, budget=memory)
+    except InfeasibleBudgetError as exc:
+        rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
+                     "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
+        return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
+                "batch_sizes": batch_sizes, "seq_len": seq_len, "rows": rows, "ours_predicted": []}
     batch, solved = result.best
     path = out / "plans" / "throughput-ours.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
