@@ -21,11 +21,13 @@ __all__ = ["add_arguments", "add_memory_arguments", "apply_arguments"]
 
 log = logging.getLogger(__name__)
 
-_MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache")
+_MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache",
+                 "--adaptive-batch-size")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``."""
+    """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``,
+    ``--adaptive-batch-size``."""
     group = parser.add_argument_group("memory optimization (adaptive-mem)")
     have = set(getattr(parser, "_option_string_actions", {}))
     if "--adaptive-memory-optimization" not in have:
@@ -41,6 +43,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     if "--memory-plan-cache" not in have:
         group.add_argument("--memory-plan-cache", default=None, metavar="DIR",
                            help="where converged adaptive plans are kept (default ~/.cache/adaptive-mem/plans)")
+    if "--adaptive-batch-size" not in have:
+        group.add_argument("--adaptive-batch-size", action="store_true",
+                           help="with --adaptive-memory-optimization: grow the micro-batch to the largest the budget "
+                                "allows, keeping the global batch (--batch-size) by gradient accumulation")
     return parser
 
 
@@ -70,16 +76,40 @@ def _manual_plan(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _adaptive_batch(args: argparse.Namespace, adaptive: bool, global_batch: int | None) -> Any:
+    if not getattr(args, "adaptive_batch_size", False):
+        return None
+    if not adaptive:
+        raise ValueError("--adaptive-batch-size without --adaptive-memory-optimization: expected both (the adaptive "
+                         "loop's profile and budget choose the micro-batch)")
+    if global_batch is None:
+        global_batch = getattr(args, "global_batch_size", None) or getattr(args, "batch_size", None)
+    if global_batch is None:
+        raise ValueError("--adaptive-batch-size: no global batch size; expected --batch-size N (or "
+                         "apply_arguments(..., global_batch=N))")
+    from adaptive_mem.adaptive._batch import AdaptiveBatch
+
+    try:
+        global_batch = int(global_batch)
+    except (TypeError, ValueError):
+        raise ValueError(f"--batch-size={global_batch!r}: expected a positive integer (the global batch)") from None
+    return AdaptiveBatch(global_batch)
+
+
 def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: Any = None,
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None) -> Any:
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, global_batch: int | None = None) -> Any:
     """Apply the memory flags of ``args`` to ``model``; returns the handle (``remove()`` restores) or None.
 
     ``--adaptive-memory-optimization`` -> :class:`AdaptiveMemory`; ``--memory-plan`` or Megatron recompute
     flags -> :class:`OptimizeHandle`; none of them -> None. ``optimizer`` counts its state in the budget.
+    ``--adaptive-batch-size``: the handle's ``batch`` (an :class:`~adaptive_mem.adaptive._batch.AdaptiveBatch`)
+    cuts each global batch (``global_batch``, else ``args.global_batch_size`` or ``args.batch_size``) into
+    micro-batches for gradient accumulation.
     """
     adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
     budget = getattr(args, "memory_budget", None)
     cache_dir = getattr(args, "memory_plan_cache", None)
+    batch = _adaptive_batch(args, adaptive, global_batch)
     if adaptive:
         recompute = _recompute_flag(args)
         if recompute is not None:
@@ -92,7 +122,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
                              "config fixes what the adaptive loop would choose); expected one of them")
         from adaptive_mem.adaptive._loop import adaptive_optimize
 
-        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn)
+        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn,
+                                 batch=batch)
     for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "

@@ -27,10 +27,14 @@ from ._budget import (
 )
 from ._pipeline import Stage, merge_plans, split_stages
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile
+from ._scaling import ScalingCheck, profile_for_batch, scale_profile, scaling_error
+from ._throughput import BatchSizesError, ThroughputResult, ThroughputRow, maximize_throughput, parse_batch_sizes
 
 __all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError",
            "Assignment", "Budget", "BudgetError", "InfeasibleBudgetError", "Interval", "PredictedCost", "Problem",
            "Simulation", "SolveResult", "Solver", "SolverStats", "Stage", "StepModel", "SyntheticUnit", "Timeline",
            "UnknownSolverError", "DeviceMemoryError", "activation_peak", "check_feasible", "fmt_bytes", "fmt_seconds", "get_solver", "merge_plans", "minimum_budget",
            "parse_bytes", "plan_from_assignment", "random_profile", "register_solver", "resolve", "simulate",
-           "simulate_assignment", "solver_names", "split_stages", "synthetic_profile"]
+           "simulate_assignment", "solver_names", "split_stages", "synthetic_profile",
+           "BatchSizesError", "ScalingCheck", "ThroughputResult", "ThroughputRow", "maximize_throughput",
+           "parse_batch_sizes", "profile_for_batch", "scale_profile", "scaling_error"]

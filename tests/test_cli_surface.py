@@ -30,6 +30,11 @@ EXPECTED: dict[str, set[str]] = {
               "--no-match"},
 }
 
+# #17 throughput mode (added flags; the sets above are unchanged)
+EXPECTED["search"] = EXPECTED["search"] | {"--maximize", "--batch-sizes", "--model", "--model-args"}
+EXPECTED["run"] = EXPECTED["run"] | {"--adaptive-batch-size"}
+EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput"}
+
 
 def _surface() -> dict[str, set[str]]:
     parser = build_parser()

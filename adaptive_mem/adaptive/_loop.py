@@ -32,6 +32,7 @@ from search._plan import Plan
 from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
 from adaptive_mem.runtime._apply import _APPLIED, apply_plan
+from ._batch import AdaptiveBatch
 from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
 from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
@@ -97,6 +98,8 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self._kind = "adapt"
         self._solved: dict[int, Any] = {}
         self._min_needed = 0
+        self.batch: AdaptiveBatch | None = None
+        """With ``--adaptive-batch-size``: the micro-batch size and accumulation steps the training loop uses."""
         self._handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
                          model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
@@ -322,7 +325,8 @@ class AdaptiveMemory(StepMeasurement, Planner):
 def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, optimizer: Any = None,
                       cache_dir: Any = None, cache: bool = True, solver: str = "milp",
                       parallel: dict[str, int] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-                      tolerance: float = 0.02, pluggable_allocator: bool = False) -> AdaptiveMemory:
+                      tolerance: float = 0.02, pluggable_allocator: bool = False,
+                      batch: AdaptiveBatch | None = None) -> AdaptiveMemory:
     """Keep ``model`` under ``budget`` device bytes with the fastest plan that fits, found while training.
 
     ``budget``: bytes or a size string (``"12GiB"``); default the device capacity (on CPU the ``cap`` of
@@ -331,6 +335,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     ``cache=False`` disables the cache. ``loss_fn``: ``output -> scalar`` used when profiling (default: the
     sum of the first floating output). ``tolerance``: the target search stops when its interval is this
     fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in a C++ allocator shim.
+    ``batch``: an :class:`AdaptiveBatch` whose micro-batch the first profile chooses (``--adaptive-batch-size``).
     """
     from search._budget import parse_bytes
 
@@ -354,6 +359,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     store = PlanCache(cache_dir) if cache else None
     handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
                             loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)
+    handle.batch = batch
     if budget is not None:
         try:  # a budget below what never leaves the device is refused now, before any step or batch
             handle._check_static()

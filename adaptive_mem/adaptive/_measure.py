@@ -103,6 +103,8 @@ class StepMeasurement:
                 prof.peak_memory += resident
         self._profile = prof
         self.manager.set_profile(prof)
+        if self.batch is not None:  # --adaptive-batch-size: the next global batch's micro-batch
+            self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
         self._step_model = model = StepModel.build(prof)
         needed, what = minimum_budget(model)
         if self._wrapper.what:

@@ -44,6 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--simulate", default=None, metavar="HARDWARE",
                         help="also write the target-hardware report (llama2-7b, llama2-70b; single device and "
                              "pipeline stages) from fake-tensor profiles on HARDWARE, e.g. h100")
+    parser.add_argument("--throughput", default=None, metavar="BATCHES",
+                        help="also the throughput table at a fixed memory (the plain model's measured peak at "
+                             "--batch-size): largest batch among BATCHES (e.g. 1-8) that fits and tokens/s for no "
+                             "plan, full recompute, torch.compile with its memory budget, and ours (batch size and "
+                             "plan searched together); with --policies '' only this table")
     parser.add_argument("--simulate-only", action="store_true",
                         help="only the target-hardware report (needs --simulate); no measured runs")
 
@@ -76,7 +81,15 @@ def run(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     for name in policies:
         get_policy(name)
-    if not policies and not args.simulate_only:
+    throughput = None
+    if args.throughput is not None:
+        from search import parse_batch_sizes
+
+        throughput = parse_batch_sizes(args.throughput, key="--throughput")
+        if args.simulate_only:
+            raise ValueError(f"--throughput={args.throughput!r} with --simulate-only: expected one of them "
+                             "(the throughput table is measured)")
+    if not policies and not args.simulate_only and throughput is None:
         raise ValueError(f"--policies={args.policies!r}: expected comma-separated policy names")
     _positive("--steps", args.steps, 5)
     _positive("--warmup", args.warmup)
@@ -92,15 +105,20 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={args.out!r}: exists and is not a directory")
     command = "adaptive-mem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
-    if args.simulate_only:
+    if args.simulate_only or not policies:
         results = {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "command": command, "runs": [],
                    "model": {}, "machine": {}, "settings": {}, "created": ""}
-    else:
-        config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
-                             model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
-                             steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-                             timeout=args.timeout, match=args.match, command=command)
+    config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
+                         model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
+                         steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+                         timeout=args.timeout, match=args.match, command=command)
+    if policies and not args.simulate_only:
         results = run_bench(config)
+    if throughput is not None:
+        from adaptive_mem.bench._throughput import format_throughput, run_throughput
+
+        results["throughput"] = run_throughput(config, throughput)
+        print(format_throughput(results["throughput"]))
     if args.simulate:
         results["simulated"] = simulate_targets(hardware=args.simulate, progress=True)
     paths = write_outputs(results, out)

@@ -56,6 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_memory_arguments(parser)  # --adaptive-memory-optimization, --memory-budget, --memory-plan(-cache)
 
 
+def _forward_backward(bundle, batch, adaptive_batch) -> torch.Tensor:
+    """One global batch: forward and backward, in micro-batches with --adaptive-batch-size."""
+    if adaptive_batch is None:
+        loss = bundle.loss(batch)
+        loss.backward()
+        return loss
+    total = 0.0
+    for piece, weight in adaptive_batch.split(batch):
+        loss = bundle.loss(piece) * weight
+        loss.backward()
+        total += float(loss.detach())
+    return torch.tensor(total)
+
+
 def run(args: argparse.Namespace) -> int:
     from adaptive_mem.runtime._accounting import DeviceMemory
     from adaptive_mem._model_spec import build_model
@@ -66,7 +80,16 @@ def run(args: argparse.Namespace) -> int:
     if args.plan is not None and args.config is not None:
         raise ValueError("--plan and --config both given: expected one of them")
     cap = parse_bytes(args.device_memory_cap, flag="--device-memory-cap") if args.device_memory_cap else None
-    bundle = build_model(args.model, model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
+    loaded = None
+    batch_size = args.batch_size
+    if args.plan is not None:
+        from search import Plan
+
+        loaded = Plan.load(args.plan)
+        if batch_size is None and loaded.model.get("batch_size") is not None:
+            batch_size = loaded.model["batch_size"]  # the plan's batch size (throughput mode chose it)
+            log.info("batch size %d from the plan %s (--batch-size overrides)", batch_size, args.plan)
+    bundle = build_model(args.model, model_args=args.model_args, batch_size=batch_size, seq_len=args.seq_len,
                          dtype=args.dtype, device=args.device, seed=args.seed)
     if bundle.is_fake:
         raise ValueError(f"--device={args.device}: expected a real device (meta builds fake tensors, nothing to train)")
@@ -77,21 +100,21 @@ def run(args: argparse.Namespace) -> int:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
     handle = None
-    if args.adaptive_memory_optimization or args.memory_plan or args.memory_budget or args.memory_plan_cache:
+    if (args.adaptive_memory_optimization or args.memory_plan or args.memory_budget or args.memory_plan_cache
+            or args.adaptive_batch_size):
         from adaptive_mem._flags import apply_arguments
 
         if args.memory_plan and (args.plan or args.config):
             raise ValueError("--memory-plan with --plan/--config: expected one of them")
         if args.memory_budget and cap is None and bundle.device.type == "cpu":
             cap = parse_bytes(args.memory_budget, flag="--memory-budget")  # the budget is the CPU device's size
-        handle = apply_arguments(model, args, optimizer=opt)
+        handle = apply_arguments(model, args, optimizer=opt, global_batch=bundle.batch_size)
     elif args.plan is not None or args.config is not None:
         plan = args.plan
         if plan is not None:  # refuse a plan for other inputs before it logs anything as applied
             from adaptive_mem.runtime._apply import check_inputs
-            from search import Plan
 
-            plan = Plan.load(plan)
+            plan = loaded
             check_inputs(plan, model, bundle.batch(seed=args.seed), {})
         handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store)
     else:
@@ -117,8 +140,7 @@ def run(args: argparse.Namespace) -> int:
                 peak, mem = mem.peak, None
             batch = bundle.batch(seed=args.seed + step)
             start = time.perf_counter()
-            loss = bundle.loss(batch)
-            loss.backward()
+            loss = _forward_backward(bundle, batch, getattr(handle, "batch", None))
             opt.step()
             opt.zero_grad(set_to_none=True)
             if not on_cpu:
@@ -149,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
     shown = args.plan or args.config or args.memory_plan or ("adaptive" if args.adaptive_memory_optimization else "none")
     print(f"model: {bundle.spec}  batch: {bundle.batch_size}x{bundle.seq_len}  dtype: {str(bundle.dtype)[6:]}  "
           f"plan: {shown}")
+    adaptive_batch = getattr(handle, "batch", None)
+    if adaptive_batch is not None:
+        print(f"micro-batch: {adaptive_batch.micro_batch} x {adaptive_batch.accumulation_steps} accumulation steps "
+              f"(global batch {adaptive_batch.global_batch}, --adaptive-batch-size)")
     print(f"steps: {len(times)}  loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"peak device memory: {peak} bytes ({peak / 2**20:.1f} MiB)")
     print(f"median step time: {statistics.median(timed):.4f} s (over {len(timed)} {how} steps)")

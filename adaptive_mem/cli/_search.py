@@ -13,7 +13,8 @@ from search import (Budget, InfeasibleBudgetError, Problem, check_feasible, fmt_
                     merge_plans, minimum_budget, simulate_assignment, solver_names)
 from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
 
-from ._common import add_profile_arguments, check_output_path, load, positive, stages_of, write_text_atomic
+from ._common import HARDWARE_NAMES, check_output_path, load, positive, stages_of, write_text_atomic
+from ._search_throughput import add_throughput_arguments, run_throughput
 
 NAME = "search"
 HELP = "search a keep/recompute/swap plan minimising step time under a memory budget"
@@ -23,7 +24,10 @@ log = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_profile_arguments(parser)
+    parser.add_argument("profile", nargs="+", help="Profile JSON written by `adaptive-mem profile` (with --maximize "
+                        "throughput: several, of one model at different batch sizes)")
+    parser.add_argument("--hardware", default=None, metavar="NAME",
+                        help=f"link bandwidth from this spec instead of the profile's: {', '.join(HARDWARE_NAMES)}")
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--budget", metavar="SIZE",
                         help="peak device memory incl. parameters, gradients, optimizer state (e.g. 40GiB, 80GB)")
@@ -39,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", default="plan", metavar="FMT",
                         help="plan (adaptive-mem plan YAML/JSON, default), mindformers (recompute_config + "
                              "swap_config YAML) or megatron (flags)")
+    add_throughput_arguments(parser)
 
 
 def _write(plan, fmt: str, path: str, num_layers: int) -> None:
@@ -94,6 +99,15 @@ def _say_if_keep_all_fits(problem: Problem, budget: Budget, args: argparse.Names
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.maximize is not None:
+        return run_throughput(args, write=_write)
+    for value, flag in ((args.batch_sizes, "--batch-sizes"), (args.model, "--model"), (args.model_args, "--model-args")):
+        if value is not None:
+            raise ValueError(f"{flag}={value!r} without --maximize throughput: expected both")
+    if len(args.profile) > 1:
+        raise ValueError(f"profile={' '.join(args.profile)!r}: {len(args.profile)} profiles; expected one "
+                         "(several only with --maximize throughput)")
+    args.profile = args.profile[0]
     if args.format not in FORMATS:
         raise ValueError(f"--format={args.format!r}: expected one of {', '.join(FORMATS)}")
     if args.solver not in solver_names():

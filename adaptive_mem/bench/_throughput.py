@@ -1,0 +1,132 @@
+"""``adaptive-mem bench --throughput BATCHES``: tokens per second at a fixed memory, the batch size free.
+
+The memory is the measured peak of the plain model (``none``) at the bench's batch size. Each of no plan,
+full recompute and ``torch.compile`` with its activation memory budget climbs the batch sizes (each run a
+fresh worker process, as the bench's other runs) until its measured peak exceeds that memory; its row is
+its largest batch that fits and the tokens per second there. ``torch.compile``'s budget at batch ``b`` is
+the fraction of the keep-all activations that the memory leaves (from the profile scaled to ``b``). Ours:
+``search.maximize_throughput`` on the bench's profile chooses the batch size and the plan together; the
+chosen pair is run and measured like the others (its predicted table is kept too).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Callable
+
+__all__ = ["throughput_section"]
+
+log = logging.getLogger(__name__)
+
+POLICIES = (("no plan", "none"), ("full recompute", "full"), ("torch.compile memory budget", "compile"))
+
+
+def _compile_fraction(profile: Any, batch: int, memory: int) -> float:
+    from search import StepModel, activation_peak, profile_for_batch
+    from search._budget import keep_all
+
+    model = StepModel.build(profile_for_batch({profile.model["batch_size"]: profile}, batch))
+    act = activation_peak(model, keep_all(model))
+    return min(1.0, max(0.0, (memory - model.base) / act)) if act else 1.0
+
+
+def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..., dict[str, Any]],
+                       spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int) -> dict[str, Any]:
+    """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section."""
+    from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput
+
+    base = int(profile.model["batch_size"])
+    reference = spawn(job("none", base))
+    if reference.get("status") != "ok":
+        return {"error": f"the plain model at batch {base} failed: {reference.get('error')}"}
+    memory = int(reference["peak_bytes"])
+    rows = []
+    for label, name in POLICIES:
+        tried = []
+        for b in batch_sizes:
+            extra = {"budget": _compile_fraction(profile, b, memory)} if name == "compile" else {}
+            result = reference if (name == "none" and b == base) else spawn(job(name, b, **extra))
+            fits = result.get("status") == "ok" and result["peak_bytes"] <= memory
+            tried.append({"batch_size": b, "status": result.get("status"), "peak_bytes": result.get("peak_bytes"),
+                          "tokens_per_s": result.get("tokens_per_s"), "fits": fits, **extra})
+            if not fits:
+                break  # a larger batch holds more
+        best = max((t for t in tried if t["fits"]), key=lambda t: t["batch_size"], default=None)
+        rows.append({"policy": label, "name": name, "largest_batch": best and best["batch_size"],
+                     "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"],
+                     "tried": tried})
+    try:
+        result = maximize_throughput(profiles=profile, batch_sizes=batch_sizes, budget=memory)
+    except InfeasibleBudgetError as exc:
+        rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
+                     "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
+        return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
+                "batch_sizes": batch_sizes, "seq_len": seq_len, "rows": rows, "ours_predicted": []}
+    batch, solved = result.best
+    path = out / "plans" / "throughput-ours.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    solved.plan.save(path)
+    measured = spawn(job("ours-milp", batch, plan=str(path)))
+    ok = measured.get("status") == "ok"
+    rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": batch,
+                 "tokens_per_s": measured.get("tokens_per_s") if ok else None,
+                 "peak_bytes": measured.get("peak_bytes") if ok else None,
+                 "fits": ok and measured["peak_bytes"] <= memory, "error": None if ok else measured.get("error"),
+                 "predicted_tokens_per_s": result.best_row.tokens_per_second, "plan": str(path)})
+    predicted = [{"batch_size": r.batch_size, "source": r.source, "fits": r.fits, "step_time": r.step_time,
+                  "tokens_per_s": r.tokens_per_second, "peak_bytes": r.peak_bytes, "note": r.note}
+                 for r in result.rows]
+    log.info("throughput at %s:\n%s", fmt_bytes(memory), result.table())
+    return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
+            "batch_sizes": batch_sizes, "seq_len": seq_len, "rows": rows, "ours_predicted": predicted}
+
+
+def format_throughput(section: dict[str, Any]) -> str:
+    """The section as a text table (largest batch that fits and tokens/s per policy)."""
+    if "error" in section:
+        return f"throughput: {section['error']}"
+    lines = [f"throughput at {section['memory_bytes'] / 2**20:.1f} MiB ({section['memory_from']}):",
+             f"{'policy':>32}  {'largest batch':>13}  {'tokens/s':>10}  {'peak MiB':>9}"]
+    for r in section["rows"]:
+        if r["largest_batch"] is None or r["tokens_per_s"] is None:
+            lines.append(f"{r['policy']:>32}  {'-':>13}  {'does not fit' if not r.get('error') else r['error']}")
+            continue
+        lines.append(f"{r['policy']:>32}  {r['largest_batch']:>13}  {r['tokens_per_s']:>10.1f}  "
+                     f"{r['peak_bytes'] / 2**20:>9.1f}")
+    return "\n".join(lines)
+
+
+def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
+    """The section for a :class:`~adaptive_mem.bench._runner.BenchConfig`: reuses ``out/profile.json`` when the
+    bench's runs wrote it, else profiles (and calibrates) the model at the bench's batch size."""
+    import profiler
+    import torch
+
+    from adaptive_mem._model_spec import build_model
+    from adaptive_mem.adaptive._calibrate import calibrate
+
+    from ._runner import _job, _spawn
+
+    config.out.mkdir(parents=True, exist_ok=True)
+    bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
+                         seq_len=config.seq_len, seed=config.seed)
+    saved = config.out / "profile.json"
+    profile = profiler.Profile.load(saved) if saved.exists() else None
+    if profile is None or profile.model.get("batch_size") != bundle.batch_size:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(config.threads)
+        try:
+            profile = calibrate(bundle, profiler.profile_step(bundle, optimizer="adam"))
+        finally:
+            torch.set_num_threads(threads)
+        profile.save(saved)
+    workdir = config.out / "jobs"
+    workdir.mkdir(exist_ok=True)
+
+    def job(policy: str, batch: int, **extra: Any) -> dict[str, Any]:
+        return {**_job(config, policy, None, {}), "batch_size": batch, **extra}
+
+    return throughput_section(profile=profile, batch_sizes=batch_sizes, job=job,
+                              spawn=lambda j: _spawn(j, workdir, config.timeout), out=config.out,
+                              seq_len=bundle.seq_len)

@@ -1,0 +1,206 @@
+"""#17 throughput mode: the batch size and plan chosen together, batch scaling, the CLI and the plan's batch size."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from adaptive_mem.cli._main import main
+from search import (BatchSizesError, Plan, StepModel, get_solver, maximize_throughput, parse_batch_sizes,
+                    random_profile, scale_profile, scaling_error)
+from search._budget import keep_all
+from search._simulator import simulate_assignment
+
+from test_milp_exact import PREFETCH, brute_force
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- parsing
+@pytest.mark.parametrize("text, sizes", [("1,2,4,8", [1, 2, 4, 8]), ("1-4", [1, 2, 3, 4]), ("8, 1-2,2", [1, 2, 8]),
+                                         ("3", [3])])
+def test_batch_sizes_parse(text, sizes):
+    assert parse_batch_sizes(text) == sizes
+
+
+@pytest.mark.parametrize("text", ["0", "abc", "", "4-2", "1,,2", "-1", "2.5", "0-3"])
+def test_batch_sizes_refused(text):
+    with pytest.raises(BatchSizesError, match=r"^--batch-sizes=.*expected positive integers"):
+        parse_batch_sizes(text)
+
+
+# ---------------------------------------------------------------- the search against brute force
+def _instance(seed: int):
+    rng = random.Random(seed)
+    prof = random_profile(rng, num_layers=2, units_per_layer=2, identical=rng.random() < 0.5)
+    # a per-step constant (optimizer step) that larger batches amortize, so the best batch is not trivial
+    prof = dataclasses.replace(prof, optimizer_time=rng.choice([0.0, 0.005, 0.02, 0.1]))
+    keep = simulate_assignment(StepModel.build(prof), keep_all(StepModel.build(prof)))
+    act = keep.peak_bytes - StepModel.build(prof).base
+    budget = StepModel.build(prof).base + int(rng.uniform(1.0, 5.0) * act)
+    return prof, budget
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_picks_the_brute_force_best_batch(seed):
+    prof, budget = _instance(seed)
+    sizes = [1, 2, 3, 4, 6]
+    result = maximize_throughput(profiles=prof, batch_sizes=sizes, budget=budget,
+                                 solver=get_solver("milp", prefetch=PREFETCH))
+    expected = {}
+    for b in sizes:
+        t = brute_force(StepModel.build(scale_profile(prof, b)), budget)
+        expected[b] = None if t is None else b / t  # seq_len 1: samples/s
+    for row in result.rows:
+        assert row.fits == (expected[row.batch_size] is not None), (seed, row.batch_size)
+        if row.fits:
+            assert row.tokens_per_second == pytest.approx(expected[row.batch_size], rel=1e-6)
+            assert row.peak_bytes <= budget
+    best = max(v for v in expected.values() if v is not None)
+    batch, res = result.best
+    assert expected[batch] == pytest.approx(best, rel=1e-6)
+    assert res.plan.model["batch_size"] == batch
+
+
+def test_no_batch_fits_is_one_line():
+    prof, _ = _instance(0)
+    from search import InfeasibleBudgetError
+
+    with pytest.raises(InfeasibleBudgetError, match=r"^no batch size in 1, 2 fits the budget"):
+        maximize_throughput(profiles=prof, batch_sizes="1,2", budget=StepModel.build(prof).base + 1)
+
+
+def test_activation_fraction_refused():
+    from search import Budget, BudgetError
+
+    prof, _ = _instance(0)
+    with pytest.raises(BudgetError, match="expected a total"):
+        maximize_throughput(profiles=prof, batch_sizes="1", budget=Budget(activation_fraction=0.5))
+
+
+# ---------------------------------------------------------------- batch scaling
+def test_linear_scaling_one_profile():
+    prof, _ = _instance(3)
+    scaled = scale_profile(prof, 3)
+    assert [u.saved_bytes for u in scaled.units] == [3 * u.saved_bytes for u in prof.units]
+    assert scaled.static == prof.static and scaled.model["batch_size"] == 3
+    assert scaled.model["extrapolated_from"] == [1]
+    assert [u.fwd_time for u in scaled.units] == pytest.approx([3 * u.fwd_time for u in prof.units])
+
+
+@pytest.fixture(scope="module")
+def tiny_profiles():
+    import profiler
+    from adaptive_mem import build_model
+
+    return {b: profiler.profile_step(build_model("llama-tiny", batch_size=b, device="meta"), hardware="h100",
+                                     optimizer="adam") for b in (1, 2, 4)}
+
+
+def test_scaling_checked_against_a_third_size(tiny_profiles):
+    """Profiles at batch 1 and 2 predict batch 4's (fake-tensor: exact bytes, estimated times)."""
+    (check,) = scaling_error(tiny_profiles)
+    assert check.batch_size == 4 and check.scaled_from == (1, 2)
+    assert check.activation_error < 0.01 and check.time_error < 0.01 and check.ok
+    scaled = scale_profile((tiny_profiles[1], tiny_profiles[2]), 4)
+    assert [u.saved_bytes for u in scaled.units] == [u.saved_bytes for u in tiny_profiles[4].units]
+
+
+def test_scaling_checked_on_measured_cpu_profiles():
+    """Measured on this CPU: the saved bytes scale exactly, the keep-all activation peak within 1 % (times are
+    not checked here: this machine is shared)."""
+    import profiler
+    from adaptive_mem import build_model
+
+    profiles = {b: profiler.profile_step(build_model("llama-tiny", batch_size=b), optimizer="adam",
+                                         warmup=0, repeat=1, record=1) for b in (1, 2, 4)}
+    (check,) = scaling_error(profiles)
+    assert check.activation_error < 0.01
+    scaled = scale_profile((profiles[1], profiles[2]), 4)
+    assert sum(u.saved_bytes for u in scaled.units) == sum(u.saved_bytes for u in profiles[4].units)
+
+
+# ---------------------------------------------------------------- CLI and the plan's batch size
+@pytest.fixture(scope="module")
+def tiny1(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prof") / "tiny1.json"
+    assert main(["profile", "--model", "llama-tiny", "--device", "meta", "--batch-size", "1", "-o", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("sizes", ["0", "abc", "", "4-2"])
+def test_cli_bad_batch_sizes_one_line(tiny1, tmp_path, capsys, sizes):
+    code, out, err = run(capsys, "search", tiny1, "--budget", "5MiB", "--maximize", "throughput", "--batch-sizes",
+                         sizes, "-o", tmp_path / "p.yaml")
+    assert code == 2 and err.count("\n") == 1 and f"--batch-sizes={sizes!r}" in err and "expected" in err
+    assert not (tmp_path / "p.yaml").exists()
+
+
+@pytest.mark.parametrize("argv, what", [
+    (["--maximize", "speed", "--batch-sizes", "1"], "--maximize='speed'"),
+    (["--maximize", "throughput"], "without --batch-sizes"),
+    (["--batch-sizes", "1,2"], "without --maximize"),
+    (["--maximize", "throughput", "--batch-sizes", "1", "--pipeline-stages", "2"], "--pipeline-stages='2'"),
+])
+def test_cli_bad_combinations_one_line(tiny1, tmp_path, capsys, argv, what):
+    code, _, err = run(capsys, "search", tiny1, "--budget", "5MiB", *argv, "-o", tmp_path / "p.yaml")
+    assert code == 2 and err.count("\n") == 1 and what in err
+
+
+def test_cli_table_plan_batch_size_and_run(tiny1, tmp_path, capsys):
+    plan_path = tmp_path / "plan.yaml"
+    code, out, _ = run(capsys, "search", tiny1, "--budget", "4MiB", "--maximize", "throughput", "--batch-sizes",
+                       "1,2,4,8", "-o", plan_path)
+    assert code == 0, out
+    assert "tokens/s" in out and "does not fit" in out and "extrapolated from batch 1" in out
+    plan = Plan.load(plan_path)
+    best = plan.model["batch_size"]
+    assert f"best: batch size {best}," in out and best in (2, 4)
+    assert Plan.loads(plan.dumps(fmt="json")).model["batch_size"] == best  # round trip, JSON too
+    # run uses the plan's batch size; --batch-size overrides and the shape check refuses the mismatch
+    code, out, _ = run(capsys, "run", "--model", "llama-tiny", "--plan", plan_path, "--steps", "1")
+    assert code == 0 and f"batch: {best}x32" in out
+    code, _, err = run(capsys, "run", "--model", "llama-tiny", "--plan", plan_path, "--steps", "1",
+                       "--batch-size", str(best * 2))
+    assert code == 2 and "input shape mismatch" in err and err.count("\n") == 1
+
+
+def test_cli_given_profiles_and_model(tiny1, tmp_path, capsys):
+    """--model profiles the other sizes (rows say profiled); with three, the scaling check is printed."""
+    code, out, _ = run(capsys, "search", tiny1, "--budget", "5MiB", "--maximize", "throughput", "--batch-sizes",
+                       "1,2,4", "--model", "llama-tiny", "-o", tmp_path / "p.yaml")
+    assert code == 0 and "scaling check: batch 4" in out
+    table = out.split("throughput under")[1]
+    assert "extrapolated" not in table and table.count("profiled,") == 3
+
+
+def test_bench_throughput_section_climbs_until_the_memory(tiny_profiles, tmp_path):
+    """The section's logic with a stand-in worker: peaks grow with the batch; each policy stops at the memory."""
+    from adaptive_mem.bench._throughput import format_throughput, throughput_section
+
+    profile = tiny_profiles[2]
+    per = {"none": 1.0, "full": 0.5, "compile": 0.7, "ours-milp": 0.6}
+    base = profile.peak_memory
+
+    def job(policy, batch, **extra):
+        return {"policy": policy, "batch_size": batch, **extra}
+
+    def spawn(j):
+        peak = base + int(per[j["policy"]] * 400_000 * (j["batch_size"] - 2))
+        return {"status": "ok", "peak_bytes": peak, "tokens_per_s": 100.0 * j["batch_size"] / (1 + per[j["policy"]])}
+
+    section = throughput_section(profile=profile, batch_sizes=[1, 2, 4, 8], job=job, spawn=spawn, out=tmp_path,
+                                 seq_len=32)
+    rows = {r["name"]: r for r in section["rows"]}
+    assert section["memory_bytes"] == base
+    assert rows["none"]["largest_batch"] == 2 and rows["full"]["largest_batch"] == 2
+    assert [t["batch_size"] for t in rows["full"]["tried"]] == [1, 2, 4]  # stops at the first that does not fit
+    assert all(0 <= t["budget"] <= 1 for t in rows["compile"]["tried"])
+    assert rows["ours-milp"]["largest_batch"] in (1, 2, 4, 8) and (tmp_path / "plans" / "throughput-ours.yaml").exists()
+    assert "largest batch" in format_throughput(section)
