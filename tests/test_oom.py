@@ -60,29 +60,12 @@ def test_make_hook_picks_the_device_path(caplog):
 
 class _FaultyMemory(DeviceMemory):
     """Fails allocation number ``fail_at`` of the step once: the hooks must make room, then it succeeds
-    (a transient allocator failure, as when another stream frees later)."""
+    (a transient allocator failure, as when another stream frees later). The fault is injected in the
+    accounting itself (the C++ allocator hook on CPU): the hooks run from inside the failing allocation."""
 
     def __init__(self, *, fail_at: int, needed: int) -> None:
         super().__init__(track_existing=False)
-        self.fail_at = fail_at
-        self.needed = needed
-        self.allocations = 0
-        self.faults = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.allocations
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if before < self.fail_at <= self.allocations:
-            self.faults += 1
-            for hook in self.on_oom:
-                hook(self.needed)
-        return out
-
-    def _register(self, t: torch.Tensor) -> int:
-        added = super()._register(t)
-        if added:
-            self.allocations += 1
-        return added
+        self.inject_fault(at=fail_at, needed=needed)
 
 
 _PLAN = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {

@@ -49,8 +49,9 @@ class AccountedHook(OomHook):
         self.retries += 1
         freed = self.rescue(needed)
         mem = self.memory
-        if mem is not None and mem.cap is not None and mem.live > mem.cap and self.exhausted is not None:
-            error = self.exhausted(mem.live - mem.cap, mem.cap)
+        over = mem.shortfall() if mem is not None else 0  # the allocation being decided included
+        if over > 0 and self.exhausted is not None:
+            error = self.exhausted(over, mem.cap)
             if error is not None:
                 raise error
         return freed
