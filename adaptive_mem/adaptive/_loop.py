@@ -156,8 +156,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
             self._abandon()
         self._in_step = True
         self.hook.begin_step()
-        if hasattr(self.hook, "enter"):
-            self.hook.enter()
+        self.hook.enter()
         try:
             self._begin(args, kwargs)
         except BaseException:
@@ -167,8 +166,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
 
     def _abandon(self) -> None:
         self._in_step = False
-        if hasattr(self.hook, "exit"):
-            self.hook.exit()
+        self.hook.exit()
 
     def _begin(self, args: tuple, kwargs: dict) -> None:
         if self.budget is None:
@@ -206,8 +204,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         if not self._in_step:
             return
         self._in_step = False
-        if hasattr(self.hook, "exit"):
-            self.hook.exit()
+        self.hook.exit()
         record = self._record_step()
         self.history.append(record)
         if self._kind in ("warmup", "cached"):
@@ -328,7 +325,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     in the budget. ``cache_dir``: where converged plans are kept (default ``~/.cache/adaptive-mem/plans``);
     ``cache=False`` disables the cache. ``loss_fn``: ``output -> scalar`` used when profiling (default: the
     sum of the first floating output). ``tolerance``: the target search stops when its interval is this
-    fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in a C++ allocator shim.
+    fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in the caching allocator's observer (then retry the op).
     """
     from search._budget import parse_bytes
 
