@@ -25,7 +25,8 @@ _MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``."""
+    """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``,
+    ``--host-memory-budget``."""
     group = parser.add_argument_group("memory optimization (adaptive-mem)")
     have = set(getattr(parser, "_option_string_actions", {}))
     if "--adaptive-memory-optimization" not in have:
@@ -41,6 +42,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     if "--memory-plan-cache" not in have:
         group.add_argument("--memory-plan-cache", default=None, metavar="DIR",
                            help="where converged adaptive plans are kept (default ~/.cache/adaptive-mem/plans)")
+    if "--host-memory-budget" not in have:
+        group.add_argument("--host-memory-budget", default=None, metavar="SIZE",
+                           help="host RAM swapped activations may take, e.g. 16GiB (default half the free RAM); "
+                                "beyond it they spill to memory-mapped files in a temporary directory")
     return parser
 
 
@@ -80,6 +85,11 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
     budget = getattr(args, "memory_budget", None)
     cache_dir = getattr(args, "memory_plan_cache", None)
+    host = getattr(args, "host_memory_budget", None)
+    if host is not None:
+        from adaptive_mem.runtime._spill import as_host_budget
+
+        host = as_host_budget(host, flag="--host-memory-budget")  # a bad size fails before anything is applied
     if adaptive:
         recompute = _recompute_flag(args)
         if recompute is not None:
@@ -92,7 +102,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
                              "config fixes what the adaptive loop would choose); expected one of them")
         from adaptive_mem.adaptive._loop import adaptive_optimize
 
-        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn)
+        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn,
+                                 host_memory_budget=host)
     for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "
@@ -103,8 +114,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     if plan is not None:
         if _recompute_flag(args) is not None:
             raise ValueError(f"--memory-plan with {_recompute_flag(args)}: expected one of them")
-        return optimize(model, plan=plan)
+        return optimize(model, plan=plan, host_memory_budget=host)
     if _recompute_flag(args) is not None:
-        return optimize(model, config=args)
+        return optimize(model, config=args, host_memory_budget=host)
     log.info("no memory optimization flags: the model runs as it is")
     return None

@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from adaptive_mem.runtime._accounting import host_allocations
+from adaptive_mem.runtime._spill import HostBudget
 from ._target_search import StepRecord, TargetSearch
 
 __all__ = ["AdaptiveBudgetError", "StepMeasurement"]
@@ -94,7 +95,8 @@ class StepMeasurement:
             prof.peak_memory += moved
         self._profile = prof
         self.manager.set_profile(prof)
-        self._step_model = model = StepModel.build(prof)
+        host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
+        self._step_model = model = StepModel.build(prof, host_budget=host.limit)
         needed, what = minimum_budget(model)
         if needed > self.budget:
             raise AdaptiveBudgetError(

@@ -93,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
             plan = Plan.load(plan)
             check_inputs(plan, model, bundle.batch(seed=args.seed), {})
-        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store)
+        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store,
+                          host_memory_budget=args.host_memory_budget)
     else:
         log.info("no --plan or --config: training the plain model")
     on_cpu = bundle.device.type == "cpu"
@@ -136,9 +137,9 @@ def run(args: argparse.Namespace) -> int:
         if handle is not None:
             stats = handle.swap_stats
             if stats is not None:
-                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes",
-                         stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads, stats.wait_seconds,
-                         handle.host_bytes)
+                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes; "
+                         "%d bytes spilled to disk", stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads,
+                         stats.wait_seconds, handle.host_bytes, stats.spilled_bytes)
             if hasattr(handle, "summary"):
                 log.info("%s", handle.summary())
             handle.remove()
