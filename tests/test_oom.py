@@ -50,6 +50,30 @@ def test_catch_and_retry_at_the_op_path():
         manager.close()
 
 
+def test_cuda_observer_hook_rescues_once_per_failure():
+    """The CUDA hook's logic without a GPU: the observer rescues the shortfall, the op's retry does not
+    rescue again for the same failure (unverified on a GPU itself)."""
+    from adaptive_mem.memory._cuda_allocator import CudaOomHook, _current, _observer
+    from adaptive_mem.memory._hook import OomHook
+
+    calls = []
+    hook = CudaOomHook.__new__(CudaOomHook)  # __init__ needs CUDA: set up what it would
+    OomHook.__init__(hook, lambda n: calls.append(n) or True)
+    hook._rescued, hook.device, hook._entered = 0, torch.device("cuda"), False
+    hook.mode = RetryOnOom(hook._retry_rescue)
+    _observer(0, 3000, 10, 1000)  # no hook entered: nothing happens
+    assert calls == []
+    _current.append(hook)
+    try:
+        _observer(0, 3000, 10, 1000)  # asked 3000 bytes with 1000 free
+        assert calls == [2000]
+        assert hook._retry_rescue(3000) is True and calls == [2000]  # the retry after it: no second rescue
+        assert hook._retry_rescue(500) is True and calls == [2000, 500]  # a failure the observer did not see
+        assert hook.retries == 2
+    finally:
+        _current.remove(hook)
+
+
 def test_make_hook_picks_the_device_path(caplog):
     assert isinstance(make_hook(lambda n: False, torch.device("cpu")), AccountedHook)
     caplog.set_level(logging.WARNING)
