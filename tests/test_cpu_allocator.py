@@ -202,3 +202,20 @@ def test_a_failed_build_warns_once_and_falls_back(tmp_path):
     env[ENV] = "cpp"  # strict: the failed build is an error
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "building the C++ CPU allocator" in run.stderr
+
+
+@needs_cpp
+def test_a_forked_child_counts_nothing_of_the_parents_sessions():
+    calls = []
+    with DeviceMemory(track_existing=False, cap=10_000, on_oom=lambda n: calls.append(n) or False) as mem:
+        pid = os.fork()
+        if pid == 0:  # the child (a DataLoader worker, say): neither the cap nor the hooks are its own
+            try:
+                t = torch.empty(1 << 20, dtype=torch.uint8)
+                code = 0 if (t.numel() and not calls) else 3
+            except BaseException:
+                code = 4
+            os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert mem.live == 0 and calls == []

@@ -24,8 +24,11 @@
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdint>
+#include <new>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -63,10 +66,12 @@ struct Adopted {  // a storage of another allocator whose deleter was swapped fo
   bool host = false;
 };
 
-std::mutex g_mu;
-std::vector<Session*> g_counting;
+// Process-lifetime state, never destroyed: storages are still freed (through our deleters) while the
+// process exits, after static destructors would have run.
+std::mutex& g_mu = *new std::mutex;
+std::vector<Session*>& g_counting = *new std::vector<Session*>;
 std::atomic<int> g_num_counting{0};
-std::unordered_map<void*, Adopted> g_adopted;
+std::unordered_map<void*, Adopted>& g_adopted = *new std::unordered_map<void*, Adopted>;
 PyObject* g_callback = nullptr;
 thread_local int t_host = 0;
 thread_local int t_rescue = 0;
@@ -237,7 +242,16 @@ struct CountingAllocator final : public c10::Allocator {
   }
 };
 
-CountingAllocator g_allocator;
+CountingAllocator& g_allocator = *new CountingAllocator;  // never destroyed, like the state above
+
+// A forked child (e.g. a DataLoader worker) starts with no session counting: the parent's sessions,
+// caps and rescue hooks are the parent's. The mutex is re-created in case another thread held it.
+void after_fork_in_child() {
+  new (&g_mu) std::mutex;
+  g_counting.clear();
+  g_num_counting.store(0);
+  t_rescue = 0;
+}
 
 bool plain_deleter(c10::DeleterFnPtr d) {
   return d == c10::GetDefaultCPUAllocator()->raw_deleter() ||
@@ -451,6 +465,7 @@ class Handle {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_mem's counting CPU allocator";
+  pthread_atfork(nullptr, nullptr, &after_fork_in_child);
   m.def("install", &install);
   m.def("installed", &installed);
   m.def("set_callback", &set_callback);
