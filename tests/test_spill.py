@@ -143,3 +143,11 @@ def test_the_simulator_charges_spilled_swaps_at_disk_bandwidth():
     data = slow.to_dict()
     del data["hardware"]["disk_bandwidth"]  # a profile written before the field existed
     assert Profile.from_dict(data).hardware.disk_bandwidth == 1e9
+
+
+def test_disk_bandwidth_is_measured_where_spill_files_go(tmp_path):
+    from profiler import measure_disk
+
+    bandwidth = measure_disk(str(tmp_path), nbytes=4 << 20)
+    assert bandwidth > 0
+    assert list(tmp_path.iterdir()) == []  # the probe file is removed
