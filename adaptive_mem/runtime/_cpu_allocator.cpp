@@ -19,6 +19,7 @@
 // c10::OutOfMemoryError (torch.OutOfMemoryError in Python). A refused allocation never counts.
 #include <pybind11/pybind11.h>
 
+#include <ATen/Parallel.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
@@ -157,12 +158,27 @@ Session* over_cap(size_t n, const std::vector<Session*>& skip) {
   return nullptr;
 }
 
-// Counts ``n`` bytes in every counting session (after fault injection and rescues); fills ``owners``.
+// Counts ``n`` bytes in every counting session (under g_mu); fills ``owners``.
+void commit(size_t n, Session** owners) {
+  int i = 0;
+  for (Session* s : g_counting) {
+    add_live(s, static_cast<int64_t>(n));
+    ++s->refs;
+    owners[i++] = s;
+  }
+}
+
+// Counts ``n`` bytes in every counting session after fault injection and rescues; fills ``owners``.
 void reserve(size_t n, Session** owners) {
   std::unique_lock<std::mutex> lock(g_mu);
+  // Inside an intra-op parallel region (at::parallel_for) the allocation is a kernel's scratch buffer
+  // and other threads wait for this one, maybe holding the GIL: counted, never rescued nor refused.
+  const bool parallel = at::in_parallel_region();
   std::vector<std::pair<int64_t, int64_t>> faults;
   for (Session* s : g_counting) {
-    if (++s->allocations == s->fault_at && t_rescue == 0) {
+    ++s->allocations;
+    if (s->fault_at >= 0 && s->allocations >= s->fault_at && t_rescue == 0 && !parallel) {
+      s->fault_at = -1;  // fires once (at the first allocation from ``fault_at`` on that may call Python)
       ++s->faults;
       faults.emplace_back(s->id, s->fault_needed);
     }
@@ -171,6 +187,10 @@ void reserve(size_t n, Session** owners) {
     lock.unlock();
     for (auto& f : faults) call_python(f.first, static_cast<int64_t>(n), f.second);
     lock.lock();
+  }
+  if (parallel) {
+    commit(n, owners);
+    return;
   }
   std::vector<Session*> tried;
   while (Session* s = over_cap(n, tried)) {
@@ -190,12 +210,7 @@ void reserve(size_t n, Session** owners) {
     unref(s);
   }
   if (Session* s = over_cap(n, {})) refuse(s, n);
-  int i = 0;
-  for (Session* s : g_counting) {
-    add_live(s, static_cast<int64_t>(n));
-    ++s->refs;
-    owners[i++] = s;
-  }
+  commit(n, owners);
 }
 
 void unreserve(size_t n, Session** owners) {
