@@ -27,7 +27,7 @@ _MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``,
-    ``--adaptive-batch-size``."""
+    ``--adaptive-batch-size``, ``--host-memory-budget``."""
     group = parser.add_argument_group("memory optimization (adaptive-mem)")
     have = set(getattr(parser, "_option_string_actions", {}))
     if "--adaptive-memory-optimization" not in have:
@@ -47,6 +47,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         group.add_argument("--adaptive-batch-size", action="store_true",
                            help="with --adaptive-memory-optimization: grow the micro-batch to the largest the budget "
                                 "allows, keeping the global batch (--batch-size) by gradient accumulation")
+    if "--host-memory-budget" not in have:
+        group.add_argument("--host-memory-budget", default=None, metavar="SIZE",
+                           help="host RAM swapped activations may take, e.g. 16GiB (default half the free RAM); "
+                                "beyond it they spill to memory-mapped files in a temporary directory")
     return parser
 
 
@@ -110,6 +114,11 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     budget = getattr(args, "memory_budget", None)
     cache_dir = getattr(args, "memory_plan_cache", None)
     batch = _adaptive_batch(args, adaptive, global_batch)
+    host = getattr(args, "host_memory_budget", None)
+    if host is not None:
+        from adaptive_mem.runtime._spill import as_host_budget
+
+        host = as_host_budget(host, flag="--host-memory-budget")  # a bad size fails before anything is applied
     if adaptive:
         recompute = _recompute_flag(args)
         if recompute is not None:
@@ -123,7 +132,7 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
         from adaptive_mem.adaptive._loop import adaptive_optimize
 
         return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn,
-                                 batch=batch)
+                                 batch=batch, host_memory_budget=host)
     for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "
@@ -134,8 +143,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     if plan is not None:
         if _recompute_flag(args) is not None:
             raise ValueError(f"--memory-plan with {_recompute_flag(args)}: expected one of them")
-        return optimize(model, plan=plan)
+        return optimize(model, plan=plan, host_memory_budget=host)
     if _recompute_flag(args) is not None:
-        return optimize(model, config=args)
+        return optimize(model, config=args, host_memory_budget=host)
     log.info("no memory optimization flags: the model runs as it is")
     return None

@@ -18,7 +18,8 @@ __all__ = ["optimize", "OptimizeHandle"]
 
 def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
              profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
-             host_dir: str | None = None, budget: int | str | None = None, **adaptive: Any) -> OptimizeHandle:
+             host_dir: str | None = None, budget: int | str | None = None, host_memory_budget: int | str | None = None,
+             **adaptive: Any) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed.
 
     ``plan`` is a :class:`search.Plan`, a plan dict or a YAML/JSON file; ``config`` a MindFormers or
@@ -27,6 +28,9 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     the module tree plus a trace at the first forward. A plan that does not fit raises
     :class:`search.PlanError` and leaves the model untouched. ``host_store`` is ``memory`` (pinned
     RAM on accelerators) or ``file`` (a temporary file under ``host_dir``; CPU only).
+    ``host_memory_budget`` (bytes or a size such as ``"8GiB"``; default half the free RAM, per process):
+    RAM the ``memory`` store may hold; swapped activations beyond it spill to memory-mapped files in a
+    per-process directory under ``host_dir`` (default the system temporary directory).
 
     What took effect is logged at INFO as one line and kept as ``handle.summary()`` (a
     :class:`adaptive_mem.PlanSummary`): layers and units recomputed, swapped and kept (units are counted
@@ -41,6 +45,6 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     if budget is not None or adaptive:  # the adaptive loop (issue 6)
         if budget is None or plan is not None or config is not None:
             raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
-        return adaptive_optimize(model, budget=budget, **adaptive)
+        return adaptive_optimize(model, budget=budget, host_memory_budget=host_memory_budget, **adaptive)
     return apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
-                      host_store=host_store, host_dir=host_dir)
+                      host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)

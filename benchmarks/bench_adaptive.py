@@ -113,20 +113,7 @@ def offline_plan(args, budget: int, model: StepModel) -> Plan:
 class _RefuseOnce(DeviceMemory):
     def __init__(self, *, fail_at: int, needed: int) -> None:
         super().__init__(track_existing=False)
-        self.fail_at, self.needed, self.allocations = fail_at, needed, 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.allocations
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if before < self.fail_at <= self.allocations:
-            for hook in self.on_oom:
-                hook(self.needed)
-        return out
-
-    def _register(self, t):
-        added = super()._register(t)
-        self.allocations += bool(added)
-        return added
+        self.inject_fault(at=fail_at, needed=needed)
 
 
 def rescue_cost(args, activation_bytes: int) -> dict:

@@ -12,7 +12,7 @@ from ._profile import (
     UnitRecord,
 )
 from ._units import LayerInfo, UnitNamer, find_layers, is_view_op, op_label
-from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, measure_device, measure_link
+from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, measure_device, measure_disk, measure_link
 from ._recorder import OpEvent, Recorder
 from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_outputs
 from ._static import OPTIMIZERS, static_memory
@@ -34,6 +34,7 @@ __all__ = [
     "measure_cpu",
     "measure_device",
     "measure_link",
+    "measure_disk",
     "profile_step",
     "saved_output_units",
     "saved_outputs",

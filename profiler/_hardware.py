@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import statistics
+import time
 from dataclasses import dataclass
 
 import torch
@@ -144,3 +145,34 @@ def measure_link(device: torch.device, *, nbytes: int = 64 * 2**20) -> tuple[flo
         return nbytes / _median_seconds(lambda: dst.copy_(src, non_blocking=True), device)
 
     return bandwidth(dev, host), bandwidth(host, dev)
+
+
+def measure_disk(directory: str | None = None, *, nbytes: int = 64 * 2**20) -> float:
+    """Bytes/s of the swap store's disk tier: write ``nbytes`` to a file in ``directory`` (default
+    ``$ADAPTIVE_MEM_SPILL_DIR`` or the temporary directory, where spill files go) and ``fsync``, drop its
+    pages from the cache, read it back; the slower of the two. The file is removed."""
+    import os
+    import tempfile
+
+    directory = directory or os.environ.get("ADAPTIVE_MEM_SPILL_DIR") or tempfile.gettempdir()
+    chunk = b"\x5a" * min(nbytes, 8 * 2**20)
+    handle, path = tempfile.mkstemp(prefix="adaptive-mem-disk-probe-", dir=directory)
+    try:
+        start = time.perf_counter()
+        done = 0
+        while done < nbytes:
+            done += os.write(handle, chunk[: nbytes - done])
+        os.fsync(handle)
+        write = nbytes / max(time.perf_counter() - start, 1e-9)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(handle, 0, nbytes, os.POSIX_FADV_DONTNEED)  # read from the disk, not the cache
+        os.lseek(handle, 0, os.SEEK_SET)
+        start = time.perf_counter()
+        while os.read(handle, len(chunk)):
+            pass
+        read = nbytes / max(time.perf_counter() - start, 1e-9)
+    finally:
+        os.close(handle)
+        os.unlink(path)
+    log.debug("disk tier in %s: write %.2f GB/s, read %.2f GB/s", directory, write / 1e9, read / 1e9)
+    return min(write, read)

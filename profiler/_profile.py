@@ -55,6 +55,10 @@ class HardwareSpec:
     sac_op_overhead: float = 0.0
     """Seconds per aten op of a layer run under a selective-checkpoint policy (the policy's dispatch in
     forward and in the replay), or 0 when negligible; measured by ``adaptive_mem.calibrate``."""
+    disk_bandwidth: float = 1e9
+    """Bytes/s of the disk tier of the swap store (swapped activations beyond the host memory budget go
+    to memory-mapped files): the slower of writing and reading back a file. Default 1 GB/s (a
+    conservative SSD); measured by ``adaptive-mem profile --calibrate`` (``profiler.measure_disk``)."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def _signature(model: StepModel, p: int) -> tuple:
     local = {i: k for k, i in enumerate(members)}
     return (model.input_extra[p],) + tuple(
         (u.local_name, u.saved, u.output, u.fwd, u.bwd, u.pinned, u.sac_extra, u.sac_replay, u.sac_replay_all, u.ops,
-         tuple(local.get(c, -1) for c in u.consumers))
+         tuple(local.get(c, -1) for c in u.consumers), model.spill_bound[u.index] if model.spill_bound else 0)
         for u in (model.units[i] for i in members))
 
 
@@ -84,15 +84,15 @@ def _option(model: StepModel, p: int, acts: tuple[Action, ...], d: int) -> Optio
     need = seg.replay + (sum(u.bwd for u in units[swaps[0] + 1:]) if swaps else 0.0)
     lead, cum = -float("inf"), 0.0
     for k in reversed(swaps):  # need order: later units first
-        cum += model.h2d(units[k].saved)
+        cum += model.unit_h2d(members[k])
         lead = max(lead, cum - (seg.replay + sum(u.bwd for u in units[k + 1:])))
     prefix, level = [], seg.inputs
     for i in members:
         level += seg.hold.get(i, 0)
         prefix.append(level)
     return Option(acts=acts, d=d if swaps else 0, held=seg.held, swapped=sw, transient=seg.transient,
-                  replay=seg.replay, h2d=sum(model.h2d(units[k].saved) for k in swaps),
-                  d2h=sum(model.d2h(units[k].saved) for k in swaps), need=need,
+                  replay=seg.replay, h2d=sum(model.unit_h2d(members[k]) for k in swaps),
+                  d2h=sum(model.unit_d2h(members[k]) for k in swaps), need=need,
                   first_swap_end=(units[swaps[0]].fwd_end - start) if swaps else 0.0,
                   lead=lead if swaps else 0.0,
                   swaps_pinned=tuple(k for k in swaps if units[k].pinned), prefix=tuple(prefix))

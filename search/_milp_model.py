@@ -176,7 +176,7 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
             for m, a in enumerate(o.acts):
                 if a is Action.SWAP:
                     u = units[model.positions[p][m]]
-                    c_prev = max(c_prev, u.fwd_end) + model.d2h(u.saved)
+                    c_prev = max(c_prev, u.fwd_end) + model.unit_d2h(model.positions[p][m])
                     chain.append((u.fwd_end, c_prev, u.saved))
             per.append(chain)
         chains[p] = per

@@ -82,6 +82,12 @@ class StepModel:
     the rest of the plain step (loss, gradient accumulation) the op times do not cover."""
     forward_time: float
     backward_time: float
+    host_budget: int | None = None
+    """Bytes of RAM the swap store may hold (None: unbounded); swaps beyond it go to the disk tier at
+    ``hardware.disk_bandwidth``. Swaps take host memory in forward order, all of them at once."""
+    spill_bound: list[int] = field(default_factory=list)
+    """Per unit: bytes of its swap beyond ``host_budget`` when every unit before it swaps too (an upper
+    bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
 
     @property
     def num_layers(self) -> int:
@@ -94,11 +100,30 @@ class StepModel:
     def layer_of(self, position: int) -> int | None:
         return position - 1 if 1 <= position <= self.num_layers else None
 
-    def d2h(self, nbytes: int) -> float:
-        return nbytes / self.hardware.d2h_bandwidth
+    def d2h(self, nbytes: int, spilled: int = 0) -> float:
+        """Seconds to swap ``nbytes`` out, ``spilled`` of them to the disk tier (no faster than the disk)."""
+        return (nbytes - spilled) / self.hardware.d2h_bandwidth + spilled / self._disk(self.hardware.d2h_bandwidth)
 
-    def h2d(self, nbytes: int) -> float:
-        return nbytes / self.hardware.h2d_bandwidth
+    def h2d(self, nbytes: int, spilled: int = 0) -> float:
+        """Seconds to reload ``nbytes``, ``spilled`` of them from the disk tier."""
+        return (nbytes - spilled) / self.hardware.h2d_bandwidth + spilled / self._disk(self.hardware.h2d_bandwidth)
+
+    def _disk(self, link: float) -> float:
+        disk = getattr(self.hardware, "disk_bandwidth", 0.0) or link
+        return min(disk, link)
+
+    def spill(self, host_used: int, nbytes: int) -> int:
+        """Bytes of a swap of ``nbytes`` beyond the host budget when ``host_used`` bytes of it are taken."""
+        if self.host_budget is None:
+            return 0
+        return min(nbytes, max(0, host_used + nbytes - self.host_budget))
+
+    def unit_d2h(self, i: int) -> float:
+        """Swap-out seconds of unit ``i`` as the solvers charge them (``spill_bound``)."""
+        return self.d2h(self.units[i].saved, self.spill_bound[i] if self.spill_bound else 0)
+
+    def unit_h2d(self, i: int) -> float:
+        return self.h2d(self.units[i].saved, self.spill_bound[i] if self.spill_bound else 0)
 
     def sac_overhead(self, ops: int) -> float:
         """Compute seconds a selective-checkpoint policy adds to a layer of ``ops`` aten ops."""
@@ -115,8 +140,10 @@ class StepModel:
 
     @classmethod
     def build(cls, profile: Profile, *, hardware: HardwareSpec | None = None,
-              outside: frozenset[str] = frozenset(), gradients: str = "per-step") -> "StepModel":
+              outside: frozenset[str] = frozenset(), gradients: str = "per-step",
+              host_budget: int | None = None) -> "StepModel":
         """``outside``: unit names that exist on another pipeline stage (their inputs stay pinned).
+        ``host_budget``: RAM of the swap store (None: unbounded), see the field.
 
         ``gradients``: ``per-step`` (the default: set to None between steps and allocated during
         backward, as PyTorch's ``optimizer.zero_grad()`` and ``adaptive-mem run`` do; measured
@@ -205,6 +232,11 @@ class StepModel:
         grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
         other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
         other += profile.optimizer_time
-        return cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
-                   base=base, grads=grads, boundary=boundary, other_time=other,
-                   forward_time=fwd, backward_time=bwd)
+        model = cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
+                    base=base, grads=grads, boundary=boundary, other_time=other,
+                    forward_time=fwd, backward_time=bwd, host_budget=host_budget)
+        used = 0
+        for u in units:
+            model.spill_bound.append(model.spill(used, u.saved))
+            used += u.saved
+        return model

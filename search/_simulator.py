@@ -182,6 +182,7 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
     add(0.0, (in_flight - 1) * held_total)
     t, stream = 0.0, 0.0
     swapped = 0
+    spilled: dict[int, int] = {}  # unit -> bytes of its swap on the disk tier (beyond model.host_budget)
     for seg in segs:
         add(t, seg.inputs)
         start = t
@@ -193,7 +194,8 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             if i in swaps:
                 add(t, u.saved)
                 c0 = max(stream, t)
-                stream = c0 + model.d2h(u.saved)
+                spilled[i] = model.spill(swapped, u.saved)
+                stream = c0 + model.d2h(u.saved, spilled[i])
                 add(stream, -u.saved)
                 swapped += u.saved
                 if record:
@@ -217,7 +219,7 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
         for i in due:
             add(t, units[i].saved)
             c0 = max(stream, t)
-            stream = land[i] = c0 + model.h2d(units[i].saved)
+            stream = land[i] = c0 + model.h2d(units[i].saved, spilled.get(i, 0))
             if record:
                 intervals.append(Interval("copy", "h2d", c0, stream, units[i].name))
         add(t, seg.transient)
@@ -235,7 +237,7 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
                 if asg.prefetch[i] == 0:
                     add(t, u.saved)
                     c0 = max(stream, t)
-                    stream = land[i] = c0 + model.h2d(u.saved)
+                    stream = land[i] = c0 + model.h2d(u.saved, spilled.get(i, 0))
                     if record:
                         intervals.append(Interval("copy", "h2d", c0, stream, u.name))
                 if land[i] > t:
@@ -261,7 +263,8 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             memory.append((time, model.base + level))
     timeline = Timeline(intervals, memory) if record else None
     return Simulation(peak_bytes=model.base + peak, step_time=t + model.other_time, stall_time=stall,
-                      recompute_time=replay, activation_peak=peak, swapped_bytes=swapped, timeline=timeline)
+                      recompute_time=replay, activation_peak=peak, swapped_bytes=swapped, timeline=timeline,
+                      spilled_bytes=sum(spilled.values()))
 
 
 def _seg_name(model: StepModel, seg: Segment) -> str:

@@ -69,6 +69,8 @@ class Simulation:
     """Bytes copied to host (and back) per step."""
     timeline: Timeline | None = None
     """Event timeline when requested (``record=True``)."""
+    spilled_bytes: int = 0
+    """Of ``swapped_bytes``, those beyond the host memory budget: written to and read from the disk tier."""
 
     def summary(self) -> dict[str, float | int]:
         return {"peak_bytes": self.peak_bytes, "step_time": self.step_time, "stall_time": self.stall_time,

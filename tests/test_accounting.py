@@ -1,4 +1,6 @@
-"""DeviceMemory: exact CPU device-memory accounting, checked against hand counts and MemTracker."""
+"""DeviceMemory: exact CPU device-memory accounting, checked against hand counts and MemTracker.
+
+Every test runs on both back-ends: the counting C++ allocator and the dispatch-mode fallback."""
 
 from __future__ import annotations
 
@@ -10,6 +12,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from adaptive_mem import DeviceMemory
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.models import PRESETS, LlamaModel
+from adaptive_mem.runtime import _accounting
+
+
+@pytest.fixture(autouse=True, params=["cpp", "dispatch"])
+def backend(request, monkeypatch):
+    if request.param == "cpp" and _accounting.accounting_backend() != "cpp":
+        pytest.skip("the C++ back-end is not available here")
+    monkeypatch.setattr(_accounting, "accounting_backend", lambda: request.param)
+    return request.param
 
 
 def test_counts_storages_once_and_releases_them():

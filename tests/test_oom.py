@@ -50,6 +50,30 @@ def test_catch_and_retry_at_the_op_path():
         manager.close()
 
 
+def test_cuda_observer_hook_rescues_once_per_failure():
+    """The CUDA hook's logic without a GPU: the observer rescues the shortfall, the op's retry does not
+    rescue again for the same failure (unverified on a GPU itself)."""
+    from adaptive_mem.memory._cuda_allocator import CudaOomHook, _current, _observer
+    from adaptive_mem.memory._hook import OomHook
+
+    calls = []
+    hook = CudaOomHook.__new__(CudaOomHook)  # __init__ needs CUDA: set up what it would
+    OomHook.__init__(hook, lambda n: calls.append(n) or True)
+    hook._rescued, hook.device, hook._entered = 0, torch.device("cuda"), False
+    hook.mode = RetryOnOom(hook._retry_rescue)
+    _observer(0, 3000, 10, 1000)  # no hook entered: nothing happens
+    assert calls == []
+    _current.append(hook)
+    try:
+        _observer(0, 3000, 10, 1000)  # asked 3000 bytes with 1000 free
+        assert calls == [2000]
+        assert hook._retry_rescue(3000) is True and calls == [2000]  # the retry after it: no second rescue
+        assert hook._retry_rescue(500) is True and calls == [2000, 500]  # a failure the observer did not see
+        assert hook.retries == 2
+    finally:
+        _current.remove(hook)
+
+
 def test_make_hook_picks_the_device_path(caplog):
     assert isinstance(make_hook(lambda n: False, torch.device("cpu")), AccountedHook)
     caplog.set_level(logging.WARNING)
@@ -60,29 +84,12 @@ def test_make_hook_picks_the_device_path(caplog):
 
 class _FaultyMemory(DeviceMemory):
     """Fails allocation number ``fail_at`` of the step once: the hooks must make room, then it succeeds
-    (a transient allocator failure, as when another stream frees later)."""
+    (a transient allocator failure, as when another stream frees later). The fault is injected in the
+    accounting itself (the C++ allocator hook on CPU): the hooks run from inside the failing allocation."""
 
     def __init__(self, *, fail_at: int, needed: int) -> None:
         super().__init__(track_existing=False)
-        self.fail_at = fail_at
-        self.needed = needed
-        self.allocations = 0
-        self.faults = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        before = self.allocations
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if before < self.fail_at <= self.allocations:
-            self.faults += 1
-            for hook in self.on_oom:
-                hook(self.needed)
-        return out
-
-    def _register(self, t: torch.Tensor) -> int:
-        added = super()._register(t)
-        if added:
-            self.allocations += 1
-        return added
+        self.inject_fault(at=fail_at, needed=needed)
 
 
 _PLAN = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {

@@ -7,7 +7,8 @@ docs/plan-format.md): on CPU the copy thread shares the cores and the memory bus
 its layer in Python, in forward and replay (``hardware.sac_op_overhead``). This module measures
 both: forward+backward steps of the plain model, of every layer swapped, and of one cheap unit
 per layer recomputed op-level, interleaved; the slowdown beyond what the simulator already
-charges is the cost.
+charges is the cost. It also measures the swap store's disk tier (``hardware.disk_bandwidth``, the
+file write/read bandwidth where spill files go: ``profiler.measure_disk``).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 
-from profiler import Profile
+from profiler import Profile, measure_disk
 from profiler._timing import timed
 from search import Action, Decision, Plan, simulate
 
@@ -55,12 +56,17 @@ def _plans(profile: Profile) -> dict[str, Plan]:
 
 
 def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
-    """``profile`` with ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
+    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
     ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
     on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
-    if profile.layer_container is None or profile.num_layers == 0 or not profile.measured:
+    if not profile.measured:
+        return profile
+    disk = measure_disk()
+    log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
+    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, disk_bandwidth=disk))
+    if profile.layer_container is None or profile.num_layers == 0:
         return profile
     device = next(bundle.model.parameters()).device
     plans = _plans(profile)

@@ -33,6 +33,7 @@ from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
 from adaptive_mem.runtime._apply import _APPLIED, apply_plan
 from ._batch import AdaptiveBatch
+from adaptive_mem.runtime._spill import HostBudget, as_host_budget
 from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
 from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
@@ -50,8 +51,10 @@ class AdaptiveMemory(StepMeasurement, Planner):
 
     def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
                  solver: str, parallel: dict[str, int] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 tolerance: float, pluggable_allocator: bool) -> None:
+                 tolerance: float, pluggable_allocator: bool, host_budget: HostBudget | None = None) -> None:
         self.model = model
+        self.host_budget = host_budget
+        """RAM the swap stores may hold (the plan's and the SwapManager's together); None: the process default."""
         self.budget = budget
         self.optimizer = optimizer
         self.cache = cache
@@ -63,7 +66,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self._wrapper = wrapper_memory(model)
-        self.manager = SwapManager(model, device=self.device)
+        self.manager = SwapManager(model, device=self.device, host_budget=host_budget)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
         self.manager.headroom = self._headroom
         self.manager.engines = self._plan_engines
@@ -161,8 +164,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
             self._abandon()
         self._in_step = True
         self.hook.begin_step()
-        if hasattr(self.hook, "enter"):
-            self.hook.enter()
+        self.hook.enter()
         try:
             self._begin(args, kwargs)
         except BaseException:
@@ -172,8 +174,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
 
     def _abandon(self) -> None:
         self._in_step = False
-        if hasattr(self.hook, "exit"):
-            self.hook.exit()
+        self.hook.exit()
 
     def _begin(self, args: tuple, kwargs: dict) -> None:
         if self.budget is None:
@@ -211,8 +212,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         if not self._in_step:
             return
         self._in_step = False
-        if hasattr(self.hook, "exit"):
-            self.hook.exit()
+        self.hook.exit()
         record = self._record_step()
         self.history.append(record)
         if self._kind in ("warmup", "cached"):
@@ -314,7 +314,8 @@ class AdaptiveMemory(StepMeasurement, Planner):
             # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
-            self._handle = apply_plan(self.model, plan=unchecked, profile=self._profile)
+            self._handle = apply_plan(self.model, plan=unchecked, profile=self._profile,
+                                      host_memory_budget=self.host_budget)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
                 engine.prefetch_reserve = self.manager.prefetch_reserve
@@ -326,7 +327,8 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
                       cache_dir: Any = None, cache: bool = True, solver: str = "milp",
                       parallel: dict[str, int] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                       tolerance: float = 0.02, pluggable_allocator: bool = False,
-                      batch: AdaptiveBatch | None = None) -> AdaptiveMemory:
+                      batch: AdaptiveBatch | None = None,
+                      host_memory_budget: int | str | None = None) -> AdaptiveMemory:
     """Keep ``model`` under ``budget`` device bytes with the fastest plan that fits, found while training.
 
     ``budget``: bytes or a size string (``"12GiB"``); default the device capacity (on CPU the ``cap`` of
@@ -334,7 +336,9 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     in the budget. ``cache_dir``: where converged plans are kept (default ``~/.cache/adaptive-mem/plans``);
     ``cache=False`` disables the cache. ``loss_fn``: ``output -> scalar`` used when profiling (default: the
     sum of the first floating output). ``tolerance``: the target search stops when its interval is this
-    fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in a C++ allocator shim.
+    fraction of the budget. ``pluggable_allocator``: on CUDA, intercept out-of-memory in the caching allocator's observer
+    (then retry the op). ``host_memory_budget``: RAM the swap stores may hold (bytes or a size; default half
+    the free RAM); beyond it swapped activations spill to memory-mapped files, and the planner knows it.
     ``batch``: an :class:`AdaptiveBatch` whose micro-batch the first profile chooses (``--adaptive-batch-size``).
     """
     from search._budget import parse_bytes
@@ -358,7 +362,8 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
         raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
     store = PlanCache(cache_dir) if cache else None
     handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
-                            loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator)
+                            loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator,
+                            host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"))
     handle.batch = batch
     if budget is not None:
         try:  # a budget below what never leaves the device is refused now, before any step or batch

@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from adaptive_mem.runtime._accounting import host_allocations
+from adaptive_mem.runtime._spill import HostBudget
 from ._target_search import StepRecord, TargetSearch
 
 __all__ = ["AdaptiveBudgetError", "StepMeasurement"]
@@ -103,9 +104,10 @@ class StepMeasurement:
                 prof.peak_memory += resident
         self._profile = prof
         self.manager.set_profile(prof)
+        host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
         if self.batch is not None:  # --adaptive-batch-size: the next global batch's micro-batch
             self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
-        self._step_model = model = StepModel.build(prof)
+        self._step_model = model = StepModel.build(prof, host_budget=host.limit)
         needed, what = minimum_budget(model)
         if self._wrapper.what:
             what += f"; with {self._wrapper.what}"

@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="also measure the compute that swaps and op-level recompute cost on this device "
                              "(a few plain, swap-every-layer and one-unit-recomputed steps): "
-                             "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; real devices only")
+                             "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; and the disk tier's "
+                             "bandwidth, hardware.disk_bandwidth; real devices only")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
 
 

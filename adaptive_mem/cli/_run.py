@@ -116,16 +116,19 @@ def run(args: argparse.Namespace) -> int:
 
             plan = loaded
             check_inputs(plan, model, bundle.batch(seed=args.seed), {})
-        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store)
+        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store,
+                          host_memory_budget=args.host_memory_budget)
     else:
         log.info("no --plan or --config: training the plain model")
     on_cpu = bundle.device.type == "cpu"
-    # Note: [run timing] on CPU the accounting dispatch mode taxes every op, more so for plans that run
-    # more ops. Without a cap to enforce, only the first two steps (the optimizer state is created in
-    # the first) are accounted for the peak and the steps after them are timed untracked, as the bench
-    # worker does; with a cap every step is accounted and timed so.
-    accounted_steps = args.steps if (cap is not None or not on_cpu) else min(2, args.steps)
+    # Note: [run timing] the C++ allocator hook counts at no measurable cost: every step is accounted.
+    # Only the dispatch-mode fallback taxes every op (more so for plans that run more ops): then, without
+    # a cap to enforce, only the first two steps (the optimizer state is created in the first) are
+    # accounted for the peak and the steps after them are timed untracked, as the bench worker does.
+    # Without a cap the first two steps (the optimizer state is created in the first) are not timed.
     mem = DeviceMemory(device=bundle.device, cap=cap) if on_cpu else None
+    cheap = mem is None or mem.backend == "cpp"
+    accounted_steps = args.steps if (cap is not None or cheap) else min(2, args.steps)
     times: list[float] = []
     losses: list[float] = []
     try:
@@ -158,16 +161,17 @@ def run(args: argparse.Namespace) -> int:
         if handle is not None:
             stats = handle.swap_stats
             if stats is not None:
-                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes",
-                         stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads, stats.wait_seconds,
-                         handle.host_bytes)
+                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes; "
+                         "%d bytes spilled to disk", stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads,
+                         stats.wait_seconds, handle.host_bytes, stats.spilled_bytes)
             if not isinstance(handle, OptimizeHandle):  # a plan's summary was logged when it was applied
                 log.info("%s", handle.summary())
             handle.remove()
     if not on_cpu:
         peak = torch.accelerator.max_memory_allocated()
-    timed = times[accounted_steps:] or times
-    how = "synchronized" if not on_cpu else ("accounted" if timed is times else "untracked")
+    warm = min(2, len(times) - 1) if cap is None else 0  # the first steps create the optimizer state
+    timed = times[warm:]
+    how = "synchronized" if not on_cpu else ("accounted" if accounted_steps >= len(times) else "untracked")
     shown = args.plan or args.config or args.memory_plan or ("adaptive" if args.adaptive_memory_optimization else "none")
     print(f"model: {bundle.spec}  batch: {bundle.batch_size}x{bundle.seq_len}  dtype: {str(bundle.dtype)[6:]}  "
           f"plan: {shown}")

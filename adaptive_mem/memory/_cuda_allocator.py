@@ -1,99 +1,89 @@
-"""CUDA only: a pluggable allocator whose failed ``cudaMalloc`` asks the SwapManager for room, then retries.
+"""CUDA only: the allocator hook that keeps PyTorch's caching allocator.
 
-MindSpeed intercepts out-of-memory on NPU through ``NPUPluggableAllocator``; this is the same idea on
-CUDA with ``torch.cuda.memory.CUDAPluggableAllocator`` and a small C++ shim built by
-``torch.utils.cpp_extension.load_inline``. Imported only when asked for on a CUDA device
-(``make_hook(..., pluggable=True)``); everywhere else the retry-at-the-op path of ``_oom.py`` is used.
+Note: [cuda hook unverified]. Written on a CPU-only machine: **never run on a GPU**. It replaces the
+former ``CUDAPluggableAllocator`` shim, which sent every allocation to ``cudaMalloc`` (no caching) and
+so cost far more than any plan saves. Nothing is compiled: two public pieces of PyTorch do the work.
+
+1. The caching allocator's out-of-memory observer
+   (``torch._C._cuda_attach_out_of_memory_observer``): when the allocator has already released its
+   cached blocks and is about to raise, it calls the observer (GIL taken, the allocator's lock
+   released) with the device, the size asked and the device's free bytes. The observer asks the
+   SwapManager for the shortfall, so the swapped storages return to the cache before the error
+   even propagates.
+2. :class:`RetryOnOom` around the step: the failed op is run again; when the observer has already
+   rescued for this failure the retry does not rescue twice.
+
+Observers cannot be detached, so one module-level observer forwards to the hook that is entered.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any
-
 import torch
 
 from ._hook import OomHook, Rescue
+from ._retry import RetryOnOom
 
-__all__ = ["CudaAllocatorHook"]
+__all__ = ["CudaOomHook"]
 
-# Note: [cuda shim untested]. Written against the documented CUDAPluggableAllocator ABI
-# (malloc(ssize_t, int, cudaStream_t) / free(void*, ssize_t, int, cudaStream_t)); it has never
-# been compiled here (CPU-only torch, no nvcc). Every allocation goes straight to cudaMalloc
-# (no caching), so a freed swap-out really returns device memory before the retry.
-_CUDA_SHIM = r"""
-#include <Python.h>
-#include <sys/types.h>
-#include <cuda_runtime_api.h>
-#include <torch/extension.h>
-
-static PyObject* g_rescue = nullptr;
-
-void set_rescue(py::object fn) {
-  PyObject* obj = fn.ptr();
-  Py_XINCREF(obj);
-  Py_XDECREF(g_rescue);
-  g_rescue = obj;
-}
-
-extern "C" {
-void* am_malloc(ssize_t size, int device, cudaStream_t stream) {
-  void* ptr = nullptr;
-  for (int attempt = 0; attempt < 8; ++attempt) {
-    if (cudaMalloc(&ptr, size) == cudaSuccess) return ptr;
-    cudaGetLastError();
-    if (g_rescue == nullptr) return nullptr;
-    PyGILState_STATE gil = PyGILState_Ensure();
-    PyObject* res = PyObject_CallFunction(g_rescue, "n", (Py_ssize_t)size);
-    int freed = res != nullptr && PyObject_IsTrue(res) == 1;
-    Py_XDECREF(res);
-    if (res == nullptr) PyErr_Clear();
-    PyGILState_Release(gil);
-    if (!freed) return nullptr;
-  }
-  return nullptr;
-}
-
-void am_free(void* ptr, ssize_t size, int device, cudaStream_t stream) {
-  cudaStreamSynchronize(stream);
-  cudaFree(ptr);
-}
-}
-"""
-
-_cuda_lock = threading.Lock()
-_cuda_module: Any = None
+_observer_lock = threading.Lock()
+_observer_attached = False
+_current: list["CudaOomHook"] = []
 
 
-class CudaAllocatorHook(OomHook):
-    """CUDA only: replace the allocator with the shim above; its failed ``cudaMalloc`` calls ``rescue``.
+def _observer(device: int, alloc: int, device_allocated: int, device_free: int) -> None:
+    hook = _current[-1] if _current else None
+    if hook is not None:
+        hook._observed(alloc, device_free)
 
-    Must run before the process makes its first CUDA allocation (PyTorch refuses to change the
-    allocator afterwards); :func:`make_hook` falls back to :class:`RetryOnOom` when it cannot.
-    """
 
-    name = "cuda-pluggable"
+class CudaOomHook(OomHook):
+    """CUDA: rescue in the caching allocator's out-of-memory observer, then run the op again."""
+
+    name = "cuda-observer"
 
     def __init__(self, rescue: Rescue, device: torch.device) -> None:
         super().__init__(rescue)
-        global _cuda_module
-        if not torch.cuda.is_available():
-            raise RuntimeError("the CUDA pluggable allocator needs a CUDA build of torch and a GPU")
-        from torch.utils.cpp_extension import load_inline
-
-        with _cuda_lock:
-            if _cuda_module is None:
-                _cuda_module = load_inline(name="adaptive_mem_oom_shim", cpp_sources=[_CUDA_SHIM],
-                                           functions=["set_rescue"], with_cuda=True,
-                                           extra_ldflags=["-lcudart"], verbose=False)
+        global _observer_attached
+        if not (torch.cuda.is_available() and hasattr(torch._C, "_cuda_attach_out_of_memory_observer")):
+            raise RuntimeError("the CUDA out-of-memory observer needs a CUDA build of torch and a GPU")
+        with _observer_lock:
+            if not _observer_attached:
+                torch._C._cuda_attach_out_of_memory_observer(_observer)
+                _observer_attached = True
         self.device = device
-        allocator = torch.cuda.memory.CUDAPluggableAllocator(_cuda_module.__file__, "am_malloc", "am_free")
-        torch.cuda.memory.change_current_allocator(allocator)
-        _cuda_module.set_rescue(self._hook)
+        self._rescued = 0  # bytes the observer freed for the failure now propagating
+        self.mode = RetryOnOom(self._retry_rescue)
+        self._entered = False
 
-    def _hook(self, needed: int) -> bool:
-        self.retries += 1
-        return self.rescue(needed)
+    # ------------------------------------------------------------------ the two halves
+    def _observed(self, alloc: int, device_free: int) -> None:
+        needed = max(1, alloc - max(0, device_free))
+        if self.rescue(needed):
+            self._rescued = needed
+
+    def _retry_rescue(self, needed: int) -> bool:
+        if self._rescued:  # the observer already made room for this failure
+            self._rescued = 0
+            self.retries += 1
+            return True
+        freed = self.rescue(needed)
+        self.retries += bool(freed)
+        return freed
+
+    # ------------------------------------------------------------------ OomHook
+    def enter(self) -> None:
+        if not self._entered:
+            self.mode.exhausted = self.exhausted
+            self.mode.__enter__()
+            _current.append(self)
+            self._entered = True
+
+    def exit(self) -> None:
+        if self._entered:
+            _current.remove(self)
+            self.mode.__exit__(None, None, None)
+            self._entered = False
 
     def live(self) -> int | None:
         return torch.cuda.memory_allocated(self.device)
@@ -105,5 +95,4 @@ class CudaAllocatorHook(OomHook):
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def remove(self) -> None:
-        if _cuda_module is not None:
-            _cuda_module.set_rescue(None)
+        self.exit()

@@ -1,8 +1,11 @@
 """The allocator-hook interface: when an allocation fails, ask for ``needed`` bytes to be freed, then retry.
 
-Every back-end implements :class:`OomHook`: the accounting and retry-at-the-op hooks in ``_oom.py``
-and the CUDA pluggable allocator in ``_cuda_allocator.py``. The ``rescue`` callback
-(``needed_bytes -> freed_anything``) is the SwapManager's.
+Every back-end implements :class:`OomHook`: on CPU the counting C++ allocator behind
+:class:`~adaptive_mem.DeviceMemory` (``_oom.AccountedHook``: the rescue runs inside the failing
+allocation, which then retries), on CUDA the caching allocator's out-of-memory observer plus a retry
+of the op (``_cuda_allocator.CudaOomHook``), elsewhere the retry at the op alone (``_oom._RetryHook``).
+The ``rescue`` callback (``needed_bytes -> freed_anything``) is the SwapManager's; ``exhausted``
+builds the error raised when it could not make room.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ class OomHook:
 
     def begin_step(self) -> None:
         """Called at the start of every step (find the accounting / allocator of this step)."""
+
+    def enter(self) -> None:
+        """The step's forward begins (a hook that retries at the op enters its mode here)."""
+
+    def exit(self) -> None:
+        """The step ended (after backward) or was abandoned."""
 
     def live(self) -> int | None:
         return None

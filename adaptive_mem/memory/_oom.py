@@ -2,17 +2,18 @@
 
 The interface, :class:`OomHook`, is in ``_hook.py``; it has three back-ends:
 
-* :class:`AccountedHook` (CPU, tested): the executor's :class:`DeviceMemory`
-  counts device bytes exactly and calls its ``on_oom`` hooks before refusing
-  an allocation over its ``cap``; the hook frees, the accounting re-checks.
-* :class:`RetryOnOom` (any device): a dispatch mode that catches
+* :class:`AccountedHook` (CPU, tested): the active :class:`DeviceMemory`, a session of the counting
+  C++ CPU allocator (``runtime/_cpu_allocator.cpp``), counts device bytes exactly and, when an
+  allocation would pass its ``cap``, calls its ``on_oom`` hooks from inside that allocation (GIL
+  taken), re-checks and only then refuses it with ``torch.OutOfMemoryError``. This hook is one of
+  them: it asks the SwapManager for the shortfall.
+* :class:`RetryOnOom` (``_retry.py``, any device): a dispatch mode that catches
   ``torch.OutOfMemoryError`` raised by an op, asks for the shortfall (parsed
   from the message when it says, else a doubling guess) and runs the op again.
   An op that failed to allocate has written nothing, so the retry is exact.
-* ``_cuda_allocator.CudaAllocatorHook`` (CUDA builds only, NOT compiled or tested on the
-  CPU machine this was written on): a ``CUDAPluggableAllocator`` whose C++
-  ``malloc`` calls back into Python on ``cudaMalloc`` failure, as MindSpeed does
-  with ``NPUPluggableAllocator``. It must be installed before CUDA allocates.
+* ``_cuda_allocator.CudaOomHook`` (CUDA builds only, NOT run on a GPU yet): PyTorch's caching
+  allocator stays; its out-of-memory observer rescues before the error propagates and
+  :class:`RetryOnOom` runs the op again.
 
 The ``rescue`` callback (``needed_bytes -> freed_anything``) is the SwapManager's.
 """
@@ -20,15 +21,13 @@ The ``rescue`` callback (``needed_bytes -> freed_anything``) is the SwapManager'
 from __future__ import annotations
 
 import logging
-import re
-from typing import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_mem.runtime._accounting import DeviceMemory, current_accounting
 
 from ._hook import OomHook, Rescue
+from ._retry import RetryOnOom, shortfall_of
 
 # OomHook and Rescue are re-exported: callers that pick a hook with make_hook get its type here too.
 __all__ = ["OomHook", "AccountedHook", "RetryOnOom", "Rescue", "shortfall_of", "make_hook"]
@@ -49,8 +48,9 @@ class AccountedHook(OomHook):
         self.retries += 1
         freed = self.rescue(needed)
         mem = self.memory
-        if mem is not None and mem.cap is not None and mem.live > mem.cap and self.exhausted is not None:
-            error = self.exhausted(mem.live - mem.cap, mem.cap)
+        over = mem.shortfall() if mem is not None else 0  # the allocation being decided included
+        if over > 0 and self.exhausted is not None:
+            error = self.exhausted(over, mem.cap)
             if error is not None:
                 raise error
         return freed
@@ -83,59 +83,8 @@ class AccountedHook(OomHook):
         self.memory = None
 
 
-_NEEDS = re.compile(r"needs (\d+) bytes")
-_TRIED = re.compile(r"Tried to allocate (\d+(?:\.\d+)?) (B|KiB|MiB|GiB)")
-_SCALE = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-
-
-def shortfall_of(exc: BaseException) -> int | None:
-    """Bytes the failed allocation asked for, from DeviceMemory's or the CUDA allocator's message."""
-    text = str(exc)
-    match = _NEEDS.search(text)
-    if match:
-        return int(match.group(1))
-    match = _TRIED.search(text)
-    if match:
-        return int(float(match.group(1)) * _SCALE[match.group(2)])
-    return None
-
-
-class RetryOnOom(TorchDispatchMode):
-    """Catch ``OutOfMemoryError`` at the op, rescue, run the op again (``max_retries`` times).
-
-    Enter it *inside* whatever raises (the device allocator, or a ``DeviceMemory``
-    entered earlier) so that the op's failure passes through this mode.
-    """
-
-    def __init__(self, rescue: Rescue, *, max_retries: int = 8, first_guess: int = 1 << 20) -> None:
-        super().__init__()
-        self.rescue = rescue
-        self.max_retries = max_retries
-        self.first_guess = first_guess
-        self.retries = 0
-        self.exhausted: Callable[[int, int | None], BaseException | None] | None = None
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        guess = self.first_guess
-        for attempt in range(self.max_retries + 1):
-            try:
-                return func(*args, **(kwargs or {}))
-            except torch.OutOfMemoryError as exc:
-                if attempt == self.max_retries:
-                    raise
-                needed = shortfall_of(exc) or guess
-                guess *= 2
-                if not self.rescue(needed):
-                    error = self.exhausted(needed, None) if self.exhausted is not None else None
-                    if error is not None:
-                        raise error from exc
-                    raise
-                self.retries += 1
-        raise AssertionError("unreachable")
-
-
 class _RetryHook(OomHook):
-    """Accelerators without the pluggable allocator: :class:`RetryOnOom` around each step."""
+    """Accelerators without an allocator hook: :class:`RetryOnOom` around each step."""
 
     name = "retry"
 
@@ -177,16 +126,19 @@ class _RetryHook(OomHook):
 
 
 def make_hook(rescue: Rescue, device: torch.device, *, pluggable: bool = False) -> OomHook:
-    """The hook for ``device``: accounted on CPU; on CUDA the pluggable allocator when asked and still
-    possible, else retry-at-the-op (the path for every other accelerator too)."""
+    """The hook for ``device``: accounted on CPU (the C++ allocator, or its dispatch-mode fallback); on
+    CUDA, when ``pluggable`` (the allocator-level hook) is asked for and possible, the caching
+    allocator's out-of-memory observer plus retry at the op; else retry at the op alone (the path for
+    every other accelerator too)."""
     if device.type == "cpu":
         return AccountedHook(rescue)
     if device.type == "cuda" and pluggable:
         try:
-            from ._cuda_allocator import CudaAllocatorHook  # loaded only where asked for, on CUDA
+            from ._cuda_allocator import CudaOomHook  # loaded only where asked for, on CUDA
 
-            return CudaAllocatorHook(rescue, device)
+            return CudaOomHook(rescue, device)
         except (RuntimeError, OSError, ImportError) as exc:
-            log.warning("CUDA pluggable allocator unavailable (%s); catching OutOfMemoryError at the op instead",
+            log.warning("CUDA allocator hook (pluggable allocator unavailable: %s); catching OutOfMemoryError "
+                        "at the op instead",
                         str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
     return _RetryHook(rescue, device)

@@ -65,16 +65,18 @@ class ManagerStats:
 class SwapManager:
     """Tracks saved activations of ``model``'s forwards; frees device memory on demand.
 
-    ``profile`` (a :class:`profiler.Profile`, optional) makes the choice cost-aware.
+    ``profile`` (a :class:`profiler.Profile`, optional) makes the choice cost-aware; ``host_budget`` (a
+    ``HostBudget``, optional) bounds the RAM its swap store holds (beyond it: the disk tier).
     """
 
-    def __init__(self, model: nn.Module, *, profile: Any = None, device: torch.device | None = None) -> None:
+    def __init__(self, model: nn.Module, *, profile: Any = None, device: torch.device | None = None,
+                 host_budget: Any = None) -> None:
         self.model = model
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
         self.layers_info = find_layers(model)
         self.layers = ([model.get_submodule(self.layers_info.layer_path(i)) for i in range(self.layers_info.count)]
                        if self.layers_info else [])
-        self.engine = SwapEngine(device=self.device, num_layers=len(self.layers))
+        self.engine = SwapEngine(device=self.device, num_layers=len(self.layers), host_budget=host_budget)
         self.stats = ManagerStats()
         self._groups: dict[int, StorageGroup] = {}
         self._seq = 0

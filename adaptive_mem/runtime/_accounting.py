@@ -1,8 +1,12 @@
 """Exact device-memory accounting for devices without an allocator to ask (CPU).
 
-:class:`DeviceMemory` is a dispatch mode that sees every tensor an op creates
-and counts the bytes of each distinct storage on the accounted device until
-the storage dies. Tensors in the swap engine's host store are allocated under
+:class:`DeviceMemory` counts the bytes of each distinct storage on the accounted
+device until the storage dies. On CPU it is a session of a counting C++
+allocator installed in front of PyTorch's (``_cpu_allocator.cpp``: every
+allocation and free is seen where it happens, on any thread, at the cost of a
+header per allocation); where that cannot be built, a dispatch mode that sees
+every op's outputs (one warning says so; see ``_host_marks.py`` for the choice).
+Tensors in the swap engine's host store are allocated under
 :func:`host_allocations` and never count, so a swapped activation really
 leaves "device" memory on CPU too. An optional ``cap`` turns an allocation
 that would exceed it into ``torch.OutOfMemoryError`` after giving the
@@ -11,58 +15,19 @@ that would exceed it into ``torch.OutOfMemoryError`` after giving the
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import threading
 import warnings
-import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
-__all__ = ["DeviceMemory", "host_allocations", "current_accounting", "mark_host"]
+from ._counters import CppCounter, DispatchCounter
+from ._host_marks import accounting_backend, host_allocations, mark_host
 
-_local = threading.local()
+__all__ = ["DeviceMemory", "host_allocations", "current_accounting", "mark_host", "accounting_backend"]
+
 _active: list["DeviceMemory"] = []
-
-
-@contextlib.contextmanager
-def host_allocations() -> Iterator[None]:
-    """Tensors created in this block (on this thread) are host-side: never device memory."""
-    depth = getattr(_local, "host", 0)
-    _local.host = depth + 1
-    try:
-        yield
-    finally:
-        _local.host = depth
-
-
-def _in_host_block() -> bool:
-    return getattr(_local, "host", 0) > 0
-
-
-_host_storages: dict[int, weakref.ref] = {}
-
-
-def mark_host(t: torch.Tensor) -> torch.Tensor:
-    """Record ``t``'s storage as host-side (a swap-store buffer): never device memory, even when a
-    :class:`DeviceMemory` entered later finds it in its scan of existing tensors."""
-    st = t.untyped_storage()
-    key = st._cdata
-
-    def forget(ref: weakref.ref, key: int = key) -> None:
-        if _host_storages.get(key) is ref:
-            del _host_storages[key]
-
-    _host_storages[key] = weakref.ref(st, forget)
-    return t
-
-
-def _is_host_storage(st: torch.UntypedStorage) -> bool:
-    ref = _host_storages.get(st._cdata)
-    return ref is not None and ref() is st
 
 
 def _is_tensor(obj: Any) -> bool:
@@ -76,10 +41,6 @@ def current_accounting() -> "DeviceMemory | None":
     return _active[-1] if _active else None
 
 
-def _is_fake(t: torch.Tensor) -> bool:
-    return type(t).__name__ == "FakeTensor" or t.device.type == "meta"
-
-
 class DeviceMemory(TorchDispatchMode):
     """Live and peak bytes of tensors on ``device``, counted per storage.
 
@@ -90,120 +51,151 @@ class DeviceMemory(TorchDispatchMode):
         print(mem.peak, mem.live)
 
     Tensors alive on entry are found with a garbage-collector scan
-    (``track_existing=True``) or passed explicitly with :meth:`track`.
+    (``track_existing=True``) or passed explicitly with :meth:`track`; from then
+    on their frees count too (also between and after entries). ``backend``:
+    ``"cpp"`` or ``"dispatch"`` (default: :func:`accounting_backend`; devices
+    other than CPU always use the dispatch mode).
     """
 
     def __init__(self, *, device: str | torch.device = "cpu", cap: int | None = None,
-                 on_oom: Callable[[int], bool] | None = None, track_existing: bool = True) -> None:
+                 on_oom: Callable[[int], bool] | None = None, track_existing: bool = True,
+                 backend: str | None = None) -> None:
         super().__init__()
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap <= 0):
             raise ValueError(f"cap={cap!r}: expected a positive number of bytes or None")
         self.device = torch.device(device)
         """Accounted device (``cpu`` here; the same counting works for any device)."""
-        self.cap = cap
-        """Bytes an allocation may not push ``live`` above, or None."""
         self.track_existing = track_existing
         self.on_oom: list[Callable[[int], bool]] = [on_oom] if on_oom is not None else []
         """Hooks ``needed_bytes -> freed_anything`` called before raising OutOfMemoryError."""
-        self.live = 0
-        self.peak = 0
-        self._sizes: dict[int, tuple[Any, int]] = {}
-        self._lock = threading.RLock()
+        if backend is None:
+            backend = accounting_backend() if self.device.type == "cpu" else "dispatch"
+        elif backend not in ("cpp", "dispatch"):
+            raise ValueError(f"backend={backend!r}: expected 'cpp' or 'dispatch'")
+        elif backend == "cpp" and (self.device.type != "cpu" or accounting_backend() != "cpp"):
+            raise ValueError(f"backend='cpp' needs a cpu device and the built extension "
+                             f"(device {self.device}, back-end {accounting_backend()})")
+        self._counter: CppCounter | DispatchCounter = (CppCounter(self) if backend == "cpp"
+                                                       else DispatchCounter(self))
+        self._cap: int | None = None
+        self.cap = cap
+        self._pending = 0
+        self._pushed: list[bool] = []
 
     # ------------------------------------------------------------------ public
+    @property
+    def backend(self) -> str:
+        """``"cpp"`` (the counting allocator) or ``"dispatch"`` (the Python fallback)."""
+        return self._counter.backend
+
+    @property
+    def cap(self) -> int | None:
+        """Bytes an allocation may not push ``live`` above, or None."""
+        return self._cap
+
+    @cap.setter
+    def cap(self, value: int | None) -> None:
+        self._cap = value
+        self._counter.set_cap(value)
+
+    @property
+    def live(self) -> int:
+        """Bytes counted now."""
+        return self._counter.live
+
+    @property
+    def peak(self) -> int:
+        """Highest ``live`` since construction or :meth:`reset_peak`."""
+        return self._counter.peak
+
     def reset_peak(self) -> None:
         """Start a new peak window (e.g. per step) at the current live bytes."""
-        self.peak = self.live
+        self._counter.peak = self._counter.live
+
+    def shortfall(self) -> int:
+        """Bytes over the cap counting the allocation being decided (0 when within it or uncapped)."""
+        if self._cap is None:
+            return 0
+        return max(0, self._counter.live + self._pending - self._cap)
 
     def track(self, *objects: Any) -> None:
         """Count tensors that existed before entry: tensors, modules, optimizers, or iterables of them."""
         for obj in objects:
             for t in _tensors_of(obj):
-                self._register(t)
+                self._counter.register(t, self.device)
 
     def add_oom_hook(self, hook: Callable[[int], bool]) -> None:
         self.on_oom.append(hook)
 
+    # ------------------------------------------------------------------ fault injection
+    def inject_fault(self, *, at: int, needed: int) -> None:
+        """Make allocation number ``at`` (counted from entry, see :attr:`allocations`) fail once
+        transiently: the ``on_oom`` hooks are asked for ``needed`` bytes, then it succeeds."""
+        self._counter.inject_fault(at, needed)
+
+    @property
+    def allocations(self) -> int:
+        """Device allocations counted so far (settable, e.g. to 0 to count one step's)."""
+        return self._counter.allocations
+
+    @allocations.setter
+    def allocations(self, value: int) -> None:
+        self._counter.allocations = value
+
+    @property
+    def faults(self) -> int:
+        """Injected faults that fired."""
+        return self._counter.faults
+
     # ------------------------------------------------------------------ mode
+    def _needs_mode(self) -> bool:
+        """The dispatch back-end counts in ``__torch_dispatch__``; the C++ one needs the mode only for a
+        subclass that watches ops itself (e.g. a per-op timeline)."""
+        return self.backend == "dispatch" or type(self).__torch_dispatch__ is not DeviceMemory.__torch_dispatch__
+
     def __enter__(self) -> "DeviceMemory":
+        self._counter.start()
         if self.track_existing:
             gc.collect()  # unreachable tensors would otherwise count until the collector frees them mid-step
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # isinstance() wakes deprecated lazy module attributes
                 self.track([o for o in gc.get_objects() if _is_tensor(o)])
-        self.peak = max(self.peak, self.live)
+        self._counter.peak = max(self._counter.peak, self._counter.live)
         _active.append(self)
-        return super().__enter__()
+        push = self._needs_mode()
+        self._pushed.append(push)
+        if push:
+            return super().__enter__()
+        return self
 
     def __exit__(self, *exc: Any) -> None:
         _active.remove(self)
-        return super().__exit__(*exc)
+        self._counter.stop()
+        if self._pushed.pop():
+            return super().__exit__(*exc)
+        return None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if _in_host_block():
-            return out
-        peak_before, added = self.peak, 0
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                added += self._register(t)
-        if added and self.cap is not None and self.live > self.cap:
-            self._over_cap(added, func, peak_before)
+        self._counter.on_op(self, func, out)
         return out
 
     # ------------------------------------------------------------------ internals
-    def _register(self, t: torch.Tensor) -> int:
-        if t.device != self.device or _is_fake(t) or t.is_sparse:
-            return 0
+    def _run_hooks(self, pending: int, fault: int) -> None:
+        """The ``on_oom`` hooks for an allocation of ``pending`` bytes over the cap (C++: not yet
+        counted; dispatch: already counted, ``pending`` = 0), or an injected fault asking ``fault``."""
+        self._pending = pending
         try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # storage-less wrapper subclasses
-            return 0
-        if _is_host_storage(st):
-            return 0
-        key = st._cdata
-        nbytes = st.nbytes()
-        with self._lock:
-            known = self._sizes.get(key)
-            if known is not None and known[0]() is not None:
-                delta = nbytes - known[1]  # resized in place
-                if delta:
-                    self._sizes[key] = (known[0], nbytes)
-                    self._add(delta)
-                return max(delta, 0)
-            ref = weakref.ref(st, lambda _r, key=key: self._dead(key, _r))
-            self._sizes[key] = (ref, nbytes)
-            self._add(nbytes)
-        return nbytes
-
-    def _add(self, delta: int) -> None:
-        self.live += delta
-        if self.live > self.peak:
-            self.peak = self.live
-
-    def _dead(self, key: int, ref: Any) -> None:
-        with self._lock:
-            known = self._sizes.get(key)
-            if known is not None and known[0] is ref:
-                del self._sizes[key]
-                self.live -= known[1]
-
-    def _over_cap(self, added: int, func: Any, peak_before: int) -> None:
-        for hook in self.on_oom:
-            if self.live <= self.cap:
-                break
-            hook(self.live - self.cap)
-        if self.live <= self.cap:
-            # A real allocator frees first and allocates after: the moment over the cap never happened.
-            self.peak = max(peak_before, self.live)
-            return
-        if self.live > self.cap:
-            # The op's outputs die with this exception: the refused allocation never counts in the peak.
-            self.peak = max(peak_before, self.live - added)
-            raise torch.OutOfMemoryError(
-                f"device memory cap exceeded: {func} needs {added} bytes with {self.live - added} live "
-                f"of cap {self.cap}"
-            )
+            for hook in list(self.on_oom):
+                if fault:
+                    hook(fault)
+                    continue
+                over = self.shortfall()
+                if over <= 0:
+                    break
+                hook(over)
+        finally:
+            self._pending = 0
 
 
 def _tensors_of(obj: Any) -> Iterable[torch.Tensor]:

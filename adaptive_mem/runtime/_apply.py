@@ -18,6 +18,7 @@ from search._plan import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
 from adaptive_mem.runtime._resolve import LayerMode, PlanSummary, Resolution, log_plan, resolve_plan, summarize
+from adaptive_mem.runtime._spill import as_host_budget
 from adaptive_mem.runtime._swap_engine import SwapStats
 
 __all__ = ["apply_plan", "OptimizeHandle", "PlanSummary", "trace_units"]
@@ -172,11 +173,12 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
 
 def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
                profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
-               host_dir: str | None = None) -> OptimizeHandle:
+               host_dir: str | None = None, host_memory_budget: Any = None) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed (the arguments
     are :func:`adaptive_mem.optimize`'s without ``budget``)."""
     if host_store not in ("memory", "file"):
         raise ValueError(f"optimize: host_store={host_store!r}: expected 'memory' or 'file'")
+    host_budget = as_host_budget(host_memory_budget)
     previous = _APPLIED.get(model)
     if previous is not None and previous() is not None and previous().active:
         raise ValueError("optimize: this model already has a plan applied; remove() its handle first")
@@ -199,7 +201,7 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
             from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint  # noqa: F401
         except ImportError as exc:
             raise PlanError(f"plan.distribute_saved_activations=true: not available here ({exc})") from None
-    executor = Executor(model, plan, res, host_store=host_store, host_dir=host_dir)
+    executor = Executor(model, plan, res, host_store=host_store, host_dir=host_dir, host_budget=host_budget)
     handle = OptimizeHandle(model, plan, executor, res, summary=summary)
     needs_check = bool(plan.fingerprint or plan.model or res.provisional) and example_inputs is None
     if needs_check:

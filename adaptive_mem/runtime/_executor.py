@@ -79,7 +79,7 @@ def _with_hidden(args: tuple, kwargs: dict, h: torch.Tensor) -> tuple[tuple, dic
 
 class Executor(OpLevelPaths):
     def __init__(self, model: nn.Module, plan: Plan, res: Resolution, *, host_store: str = "memory",
-                 host_dir: str | None = None) -> None:
+                 host_dir: str | None = None, host_budget: Any = None) -> None:
         self.model = model
         self.plan = plan
         self.res = res
@@ -104,7 +104,7 @@ class Executor(OpLevelPaths):
         if plan.targets(Action.SWAP):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             self.engine = SwapEngine(device=device, num_layers=self.num_layers, host_store=host_store,
-                                     host_dir=host_dir)
+                                     host_dir=host_dir, host_budget=host_budget)
             self.engine.headroom = _accounted_headroom  # Note: [budget-aware prefetch]
 
     # ================================================================== install / remove

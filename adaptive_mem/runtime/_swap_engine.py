@@ -35,7 +35,8 @@ from typing import Any, Callable
 import torch
 
 from ._copier import Copy, make_copier
-from ._host_pool import FileHostPool, HostBuffer, HostPool, MemoryHostPool
+from ._host_pool import FileHostPool, HostBuffer, HostPool
+from ._spill import HostBudget, TieredHostPool
 
 __all__ = ["SwapEngine", "SwapStats", "Packed"]
 
@@ -54,6 +55,8 @@ class SwapStats:
     """Time unpacks spent blocked on late reloads."""
     on_demand_reloads: int = 0
     """Reloads issued at unpack time (prefetch 0 or a trigger that never fired)."""
+    spilled_bytes: int = 0
+    """Of ``offloaded_bytes``, those that went to the disk tier (beyond the host memory budget)."""
 
 
 class _Record:
@@ -83,6 +86,8 @@ class _Record:
     def offload(self) -> None:
         engine = self.engine
         self.host = engine.pool.acquire(self.nbytes)
+        if isinstance(engine.pool, TieredHostPool) and engine.pool.on_disk(self.host):
+            engine.stats.spilled_bytes += self.nbytes
         self.flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.src.untyped_storage())
 
         def copy(non_blocking: bool) -> None:
@@ -226,7 +231,7 @@ class SwapEngine:
     """Offloads storages, keeps prefetch schedules, serves unpacks. One per optimized model."""
 
     def __init__(self, *, device: torch.device | str, num_layers: int, host_store: str = "memory",
-                 host_dir: str | None = None) -> None:
+                 host_dir: str | None = None, host_budget: HostBudget | None = None) -> None:
         self.device = torch.device(device)
         self.num_layers = num_layers
         if host_store == "file":
@@ -234,8 +239,9 @@ class SwapEngine:
                 raise ValueError(f"host_store='file' on device {self.device}: expected a cpu device "
                                  "(accelerators swap to pinned host memory)")
             self.pool: HostPool = FileHostPool(directory=host_dir)
-        elif host_store == "memory":
-            self.pool = MemoryHostPool(pin=self.device.type != "cpu")
+        elif host_store == "memory":  # RAM within the host budget, memory-mapped files beyond (_spill.py)
+            self.pool = TieredHostPool(pin=self.device.type != "cpu", budget=host_budget or HostBudget.default(),
+                                       host_dir=host_dir)
         else:
             raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
         self.copier = make_copier(self.device)
@@ -319,7 +325,7 @@ class SwapEngine:
         self._pending.clear()
         self._by_storage.clear()
         self.pool.clear()
-        if isinstance(self.pool, FileHostPool):
+        if isinstance(self.pool, (FileHostPool, TieredHostPool)):
             self.pool.close()
 
     @property
