@@ -94,6 +94,14 @@ class StepModel:
     def layer_of(self, position: int) -> int | None:
         return position - 1 if 1 <= position <= self.num_layers else None
 
+    def stack_ranges(self) -> list[tuple[int, int]]:
+        """Positions ``(first, last)`` of each stack of layers (one for decoder-only models; encoder and
+        decoder for encoder-decoder ones: Note: [several layer stacks]); checkpoint groups stay inside one."""
+        info = self.profile.layer_info()
+        if info is None or not self.num_layers:
+            return []
+        return [(info.first(s) + 1, info.first(s) + n) for s, (_, n) in enumerate(info.stacks)]
+
     def d2h(self, nbytes: int) -> float:
         return nbytes / self.hardware.d2h_bandwidth
 
