@@ -7,6 +7,7 @@ from ._flags import add_arguments, add_memory_arguments, apply_arguments
 from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
 from adaptive_mem.runtime._accounting import DeviceMemory
 from adaptive_mem.runtime._resolve import PlanSummary
+from adaptive_mem.runtime._functions import adapt_mem_func_wrapper, wrap_function
 from ._optimize import OptimizeHandle, optimize
 from adaptive_mem.memory._swap_manager import SwapExhaustedError, SwapManager
 from adaptive_mem.memory._hook import OomHook
@@ -19,4 +20,5 @@ __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
            "DeviceMemory", "OptimizeHandle", "PlanSummary", "optimize",
            "add_memory_arguments", "apply_arguments", "SwapManager", "SwapExhaustedError", "OomHook", "RetryOnOom",
-           "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate"]
+           "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate",
+           "wrap_function", "adapt_mem_func_wrapper"]

@@ -4,9 +4,11 @@ Accepted forms of ``SPEC``:
 
 * a preset name of the reference model (``llama-tiny``, ``llama-small``,
   ``llama2-7b``, ``llama2-70b``); ``model_args`` override ``LlamaConfig`` fields;
-* ``hf:<family>`` (``hf:llama``, ``hf:gpt2``, ``hf:qwen2``, ``hf:mixtral``): a
-  ``transformers`` causal LM built from its config class with random weights and
-  tiny default sizes; ``model_args`` override config attributes;
+* ``hf:<family>`` (``hf:llama``, ``hf:gpt2``, ... see ``HF_FAMILIES``): a
+  ``transformers`` model built from its config class with random weights and
+  tiny default sizes (3 layers, width 64); ``model_args`` override config
+  attributes. Causal LMs, plus ``hf:bert`` (masked LM: 15% of the tokens masked,
+  HF's loss) and ``hf:t5`` (encoder input ids, decoder input ids, labels; HF's loss);
 * ``package.module:factory``: your own model. The factory is called as
   ``factory(**model_args)`` and returns either
 
@@ -36,14 +38,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from profiler._fake_ops import install_fake_fallbacks
+
 from .models._errors import ModelSpecError
-from .models._hf import HF_FAMILIES, build_hf as _build_hf, hf_unpacked_sequences as _hf_unpacked_sequences
+from .models._hf import HF_FAMILIES, HF_HEADS, build_hf as _build_hf, hf_unpacked_sequences as _hf_unpacked_sequences
 
 __all__ = ["ModelBundle", "ModelSpecError", "build_model", "parse_model_args", "HF_FAMILIES", "DTYPES"]
 
 log = logging.getLogger(__name__)
 
-FORMS = ("a preset (llama-tiny, llama-small, llama2-7b, llama2-70b), hf:<family> (llama, gpt2, qwen2, mixtral) "
+install_fake_fallbacks()  # Note: [fake op fallbacks]: fp32 grouped_mm experts on fake tensors, in every fake pass
+
+FORMS = (f"a preset (llama-tiny, llama-small, llama2-7b, llama2-70b), hf:<family> ({', '.join(HF_FAMILIES)}) "
          "or package.module:factory")
 
 DTYPES: dict[str, torch.dtype] = {
@@ -104,7 +110,8 @@ class ModelBundle:
 
     def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Forward and a scalar loss (no backward); raises ModelSpecError when it has no grad."""
-        unpacked = _hf_unpacked_sequences() if self.fake_mode is not None and self.loss_fn is None else None
+        hf = self.loss_fn is None or self.spec.startswith("hf:")
+        unpacked = _hf_unpacked_sequences() if self.fake_mode is not None and hf else None
         with self.mode(), unpacked or contextlib.nullcontext():
             if self.loss_fn is not None:
                 loss = self.loss_fn(self.model, batch)
@@ -211,6 +218,35 @@ def _build_preset(
     if seq > config.max_seq_len:
         raise ModelSpecError(f"model spec {name!r}: seq_len={seq}: expected at most max_seq_len={config.max_seq_len}")
     return LlamaModel(config), preset.batch_size if batch is None else batch, seq, config.vocab_size
+
+
+def _hf_step(family: str, vocab: int, batch: int, seq: int, device: torch.device, fake_mode: Any) -> tuple[
+        Callable[[int], tuple[torch.Tensor, ...]], Callable[[nn.Module, tuple[torch.Tensor, ...]], torch.Tensor]]:
+    """``batch_fn`` and ``loss_fn`` of the Hugging Face families that are not causal LMs (HF computes the loss)."""
+
+    def place(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if fake_mode is not None:
+            return tuple(fake_mode.from_tensor(t) for t in tensors)
+        return tuple(t.to(device) for t in tensors)
+
+    def batch_fn(seed: int) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, vocab, (batch, seq), generator=gen)
+        if family == "bert":  # mask 15% of the tokens (at least one per row); the loss reads only those
+            masked = torch.rand((batch, seq), generator=gen) < 0.15
+            masked[:, 0] = True
+            labels = torch.where(masked, ids, torch.full_like(ids, -100))
+            return place(torch.where(masked, torch.full_like(ids, vocab - 1), ids), labels)
+        labels = torch.randint(3, vocab, (batch, seq), generator=gen)
+        decoder_ids = torch.cat([torch.zeros_like(labels[:, :1]), labels[:, :-1]], dim=1)
+        return place(ids, decoder_ids, labels)
+
+    def loss_fn(model: nn.Module, b: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        if family == "bert":
+            return model(input_ids=b[0], labels=b[1]).loss
+        return model(input_ids=b[0], decoder_input_ids=b[1], labels=b[2]).loss
+
+    return batch_fn, loss_fn
 
 
 def _vocab_size(model: nn.Module) -> int:
@@ -326,7 +362,10 @@ def build_model(
         elif any(p.dtype != torch_dtype for p in model.parameters() if p.is_floating_point()):
             raise ModelSpecError(f"model spec {spec!r}: parameters not built in dtype={torch_dtype} on meta")
     model.train()
+    step = {}
+    if spec.startswith("hf:") and spec[3:] in HF_HEADS:
+        step = dict(zip(("batch_fn", "loss_fn"), _hf_step(spec[3:], vocab, batch_size, seq_len, target, fake_mode)))
     return ModelBundle(
         model=model, spec=spec, batch_size=batch_size, seq_len=seq_len, dtype=torch_dtype, device=target,
-        vocab_size=vocab, fake_mode=fake_mode,
+        vocab_size=vocab, fake_mode=fake_mode, **step,
     )

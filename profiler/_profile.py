@@ -13,6 +13,8 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ._units import LayerInfo
+
 __all__ = [
     "PROFILE_FORMAT",
     "PROFILE_VERSION",
@@ -166,6 +168,24 @@ class Profile:
     scratch parameters on a real device, estimated as memory-bound on fake tensors."""
     version: int = PROFILE_VERSION
     """Schema version."""
+    layer_stacks: list[dict[str, Any]] = field(default_factory=list)
+    """With several stacks of blocks (encoder-decoder): ``{"container": path, "count": blocks}`` per stack in
+    layer-index order; empty (and not written) for one stack. Note: [several layer stacks]."""
+
+    def layer_info(self) -> LayerInfo | None:
+        """The stacks of blocks as :class:`profiler.LayerInfo` (None without blocks)."""
+        if self.layer_stacks:
+            return LayerInfo.of([(s["container"], s["count"]) for s in self.layer_stacks])
+        if self.layer_container is None or self.num_layers == 0:
+            return None
+        return LayerInfo(container=self.layer_container, count=self.num_layers)
+
+    def layer_path(self, index: int) -> str:
+        """Module path of layer ``index`` (``layers.3``, ``decoder.block.1``)."""
+        info = self.layer_info()
+        if info is None:
+            raise IndexError(f"layer {index}: the profile has no layers")
+        return info.layer_path(index)
 
     @property
     def saved_bytes(self) -> int:
@@ -184,6 +204,8 @@ class Profile:
     # ---------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        if not data["layer_stacks"]:
+            del data["layer_stacks"]  # one stack: the version-1 form, readable by older readers
         return {"format": PROFILE_FORMAT, **data}
 
     def save(self, path: str | Path) -> None:
@@ -213,6 +235,7 @@ class Profile:
                 raise ProfileError(f"profile.model.{key}={_short(value)}: expected a string or null")
         if profile.model.get("parameters") is not None:
             _check("profile.model.parameters", profile.model["parameters"], "int")
+        _check_stacks(profile)
         _check_references(profile)
         return profile
 
@@ -247,6 +270,23 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
             raise ProfileError(f"profile: duplicate key {key!r}; expected each key once")
         out[key] = value
     return out
+
+
+def _check_stacks(profile: Profile) -> None:
+    stacks = profile.layer_stacks
+    if not isinstance(stacks, list):
+        raise ProfileError(f"profile.layer_stacks={_short(stacks)}: expected a list of objects")
+    form = 'an object {"container": str, "count": int > 0}'
+    for i, stack in enumerate(stacks):
+        if not isinstance(stack, dict) or set(stack) != {"container", "count"}:
+            raise ProfileError(f"profile.layer_stacks[{i}]={_short(stack)}: expected {form}")
+        if not isinstance(stack["container"], str) or not _is(stack["count"], "int") or stack["count"] <= 0:
+            raise ProfileError(f"profile.layer_stacks[{i}]={_short(stack)}: expected {form}")
+    if stacks and (stacks[0]["container"] != profile.layer_container
+                   or sum(s["count"] for s in stacks) != profile.num_layers):
+        raise ProfileError(f"profile.layer_stacks={_short(stacks)}: expected the first container to be "
+                           f"layer_container ({profile.layer_container!r}) and counts summing to num_layers "
+                           f"({profile.num_layers})")
 
 
 def _check_references(profile: Profile) -> None:

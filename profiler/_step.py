@@ -266,6 +266,8 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         static=static, ops=ops, units=units, saved_input_bytes=recorder.saved_input_bytes,
         peak_memory=int(recorder.peak_bytes + static.optimizer_state), step_time=float(step_time),
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
+        layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
+        else [],
     )
 
 

@@ -14,21 +14,31 @@ Naming rules (see ``docs/profile-format.md``):
    with ``_1``, ``_2``... for the second, third... op of that label in one call
    of the module (``layers.0.add``, ``layers.0.add_1``).
 3. View and metadata-only ops create no unit: they allocate nothing.
+4. The ops of a custom autograd Function called through ``adaptive_mem.wrap_function`` are one
+   unit ``<path>.<Function label>`` (its ``unit_label`` attribute, else its class name), numbered
+   like rule 2, whatever module it runs in (:func:`function_scope`).
 
 Repeated blocks (the children of the largest homogeneous ``ModuleList``) get a
 layer index; a unit's *local name* is its name with the ``<container>.<i>.``
 prefix removed, the form MindFormers configs use.
+
+Note: [several layer stacks] an encoder-decoder model has two lists of blocks (T5's ``encoder.block`` and
+``decoder.block``): both are layers, with one global index (encoder first), full-path unit names and local
+names relative to the block (docs/plan-format.md "Several layer stacks"; tests/test_encoder_decoder.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["LayerInfo", "UnitNamer", "find_layers", "op_label", "is_view_op"]
+__all__ = ["LayerInfo", "UnitNamer", "find_layers", "op_label", "is_view_op", "function_scope"]
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
 _LEAF_LABELS: dict[str, str] = {
@@ -83,22 +93,59 @@ def leaf_label(module: nn.Module) -> str:
 @dataclass(frozen=True)
 class LayerInfo:
     container: str
-    """Path of the ModuleList holding the repeated blocks (``layers``, ``model.layers``, ``transformer.h``)."""
+    """Path of the ModuleList holding the repeated blocks (``layers``, ``model.layers``, ``transformer.h``);
+    with several stacks the first one's (``encoder.block``)."""
     count: int
-    """Number of blocks."""
+    """Number of blocks, over all stacks."""
+    stacks: tuple[tuple[str, int], ...] = ()
+    """``(container, blocks)`` of each stack in definition order (``encoder.block`` then ``decoder.block``);
+    ``((container, count),)`` for one stack. Global layer ``i`` runs through the stacks in this order."""
+
+    def __post_init__(self) -> None:
+        if not self.stacks:
+            object.__setattr__(self, "stacks", ((self.container, self.count),))
+
+    @classmethod
+    def of(cls, stacks: list[tuple[str, int]] | tuple[tuple[str, int], ...]) -> "LayerInfo":
+        """Several stacks (Note: [several layer stacks])."""
+        stacks = tuple((str(c), int(n)) for c, n in stacks)
+        return cls(container=stacks[0][0], count=sum(n for _, n in stacks), stacks=stacks)
+
+    @property
+    def containers(self) -> tuple[str, ...]:
+        return tuple(c for c, _ in self.stacks)
+
+    def stack_of(self, index: int) -> int:
+        """Which stack global layer ``index`` belongs to."""
+        for s, (_, n) in enumerate(self.stacks):
+            if index < n:
+                return s
+            index -= n
+        raise IndexError(f"layer {index}: beyond the {self.count} layers")
+
+    def first(self, stack: int) -> int:
+        """Global index of the first block of ``stack``."""
+        return sum(n for _, n in self.stacks[:stack])
 
     def split(self, path: str) -> tuple[int | None, str]:
-        """``layers.3.attention.wq`` -> ``(3, "attention.wq")``; paths outside the blocks -> ``(None, path)``."""
-        prefix = self.container + "." if self.container else ""
-        if not path.startswith(prefix):
-            return None, path
-        head, _, rest = path[len(prefix):].partition(".")
-        if not head.isdigit():
-            return None, path
-        return int(head), rest
+        """``layers.3.attention.wq`` -> ``(3, "attention.wq")``; paths outside the blocks -> ``(None, path)``.
+
+        With several stacks the index is global: ``decoder.block.1.layer.0`` -> ``(n_encoder + 1, "layer.0")``.
+        """
+        offset = 0
+        for container, n in self.stacks:
+            prefix = container + "." if container else ""
+            if path.startswith(prefix):
+                head, _, rest = path[len(prefix):].partition(".")
+                if head.isdigit() and int(head) < n:
+                    return offset + int(head), rest
+            offset += n
+        return None, path
 
     def layer_path(self, index: int) -> str:
-        return f"{self.container}.{index}" if self.container else str(index)
+        s = self.stack_of(index)
+        container, local = self.stacks[s][0], index - self.first(s)
+        return f"{container}.{local}" if container else str(local)
 
 
 def _param_count(module: nn.Module) -> int:
@@ -106,20 +153,41 @@ def _param_count(module: nn.Module) -> int:
 
 
 def find_layers(root: nn.Module) -> LayerInfo | None:
-    """The repeated blocks of ``root``: the homogeneous ModuleList with the most parameters."""
-    best: tuple[int, str, int] | None = None
-    for path, module in root.named_modules():
+    """The repeated blocks of ``root``: the homogeneous ModuleList with the most parameters, and every
+    other stack of blocks beside it (Note: [several layer stacks])."""
+    candidates: list[tuple[int, int, str, int]] = []  # (parameters, definition order, path, blocks)
+    for order, (path, module) in enumerate(root.named_modules()):
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
             continue
         kinds = {type(child) for child in module}
         if len(kinds) != 1:
             continue
-        size = _param_count(module)
-        if best is None or size > best[0]:
-            best = (size, path, len(module))
-    if best is None:
+        candidates.append((_param_count(module), order, path, len(module)))
+    if not candidates:
         return None
-    return LayerInfo(container=best[1], count=best[2])
+    best = max(candidates, key=lambda c: (c[0], -c[1]))
+    chosen = [best]
+    block = _param_count(root.get_submodule(_join_path(best[2], "0")))
+    for cand in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        if cand is best or any(_nested(cand[2], c[2]) for c in chosen):
+            continue
+        first = root.get_submodule(_join_path(cand[2], "0"))
+        if next(first.children(), None) is None or 4 * _param_count(first) < block or block == 0:
+            continue
+        chosen.append(cand)
+    chosen.sort(key=lambda c: c[1])
+    if len(chosen) == 1:
+        return LayerInfo(container=best[2], count=best[3])
+    return LayerInfo.of([(c[2], c[3]) for c in chosen])
+
+
+def _join_path(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _nested(a: str, b: str) -> bool:
+    """One path lies in (or is) the other."""
+    return a == b or a == "" or b == "" or a.startswith(b + ".") or b.startswith(a + ".")
 
 
 def join(path: str, label: str) -> str:
@@ -131,6 +199,45 @@ def join(path: str, label: str) -> str:
 
 
 _SUFFIX = re.compile(r"_(\d+)$")
+
+
+@dataclass
+class _FunctionScope:
+    label: str
+    names: dict[int, str] = field(default_factory=dict)
+    """Namer id -> the unit name that namer gave this call (counted once per call)."""
+
+
+_scopes = threading.local()
+
+
+@contextlib.contextmanager
+def function_scope(label: str) -> Iterator[None]:
+    """Every op run inside is one unit ``<module path>.<label>`` (``_1``, ``_2``... for later calls in
+    one module call), for each :class:`UnitNamer`: a wrapped custom autograd Function
+    (``adaptive_mem.wrap_function``). The outermost scope wins; thread-local, so a replay in backward
+    names its own call."""
+    stack = _scopes.__dict__.setdefault("stack", [])
+    stack.append(_FunctionScope(label))
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def _function_unit(namer: "UnitNamer") -> str | None:
+    stack = getattr(_scopes, "stack", None)
+    if not stack:
+        return None
+    scope = stack[0]
+    name = scope.names.get(id(namer))
+    if name is None:
+        module, counters = namer._stack[-1] if namer._stack else (None, {})
+        seen = counters.get(scope.label, 0)
+        counters[scope.label] = seen + 1
+        label = scope.label if seen == 0 else f"{scope.label}_{seen}"
+        name = scope.names[id(namer)] = join(namer.paths[id(module)] if module is not None else "", label)
+    return name
 
 
 class UnitNamer:
@@ -167,6 +274,9 @@ class UnitNamer:
     def name(self, func: torch._ops.OpOverload) -> str | None:
         if is_view_op(func):
             return None
+        function_unit = _function_unit(self)
+        if function_unit is not None:
+            return function_unit
         if not self._stack:
             return op_label(func)
         module, counters = self._stack[-1]

@@ -84,8 +84,8 @@ class MegatronUniform(Solver):
 
     @staticmethod
     def _groups(m: StepModel, size: int) -> Assignment:
-        n = m.num_layers
-        groups = tuple((a + 1, min(a + size, n)) for a in range(0, n, size) if size > 1 and min(a + size, n) > a + 1)
+        groups = tuple((a, min(a + size - 1, last)) for first, last in m.stack_ranges()
+                       for a in range(first, last + 1, size) if size > 1 and min(a + size - 1, last) > a)
         return _assign(m, lambda i: R if _in_layer(m, i) else K, groups=groups)
 
 

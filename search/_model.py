@@ -100,6 +100,14 @@ class StepModel:
     def layer_of(self, position: int) -> int | None:
         return position - 1 if 1 <= position <= self.num_layers else None
 
+    def stack_ranges(self) -> list[tuple[int, int]]:
+        """Positions ``(first, last)`` of each stack of layers (one for decoder-only models; encoder and
+        decoder for encoder-decoder ones: Note: [several layer stacks]); checkpoint groups stay inside one."""
+        info = self.profile.layer_info()
+        if info is None or not self.num_layers:
+            return []
+        return [(info.first(s) + 1, info.first(s) + n) for s, (_, n) in enumerate(info.stacks)]
+
     def d2h(self, nbytes: int, spilled: int = 0) -> float:
         """Seconds to swap ``nbytes`` out, ``spilled`` of them to the disk tier (no faster than the disk)."""
         return (nbytes - spilled) / self.hardware.d2h_bandwidth + spilled / self._disk(self.hardware.d2h_bandwidth)

@@ -74,7 +74,7 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
             action = found[0].action if found else Action.KEEP
         if action is Action.RECOMPUTE and model.layer_of(u.position) is None:
             raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
-                            f"recompute targets inside {model.profile.layer_container or 'the layers'}.N")
+                            f"recompute targets inside {_layer_pattern(model)}")
         swap_decision = next((d for d in found if d.action is Action.SWAP), None)
         actions.append(action)
         prefetch.append(swap_decision.backward_prefetch if swap_decision else 1)
@@ -86,6 +86,8 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
         for layer in g:
             if any(actions[i] is not Action.RECOMPUTE for i in model.positions[layer + 1]):
                 raise PlanError(f"plan.groups: layer {layer} of group {g} must be decided recompute as a whole layer")
+        if not any(a <= g[0] + 1 and g[-1] + 1 <= b for a, b in model.stack_ranges()):
+            raise PlanError(f"plan.groups: group {g} spans two stacks of layers; expected the layers of one stack")
         groups.append((g[0] + 1, g[-1] + 1))
     return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups)))
 
@@ -273,6 +275,11 @@ def _seg_name(model: StepModel, seg: Segment) -> str:
         layer = model.layer_of(p)
         names.append(f"layer {layer}" if layer is not None else ("pre" if p == 0 else "post"))
     return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+
+
+def _layer_pattern(model: StepModel) -> str:
+    info = model.profile.layer_info()
+    return " or ".join(f"{c}.N" if c else "N" for c in info.containers) if info else "the layers"
 
 
 def simulate(profile: Profile | StepModel, plan: Plan, *, hardware: HardwareSpec | None = None, in_flight: int = 1,

@@ -123,14 +123,12 @@ def fmt_bytes(n: float) -> str:
 
 def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:
     """Compact plan: ``<layer>: recompute`` for whole layers, unit targets otherwise."""
-    container = model.profile.layer_container
     decisions: dict[str, Decision] = {}
     for p, members in enumerate(model.positions):
         layer = model.layer_of(p)
         acts = [asg.actions[i] for i in members]
         if layer is not None and members and all(a is Action.RECOMPUTE for a in acts):
-            path = f"{container}.{layer}" if container else str(layer)
-            decisions[path] = Decision(Action.RECOMPUTE)
+            decisions[model.profile.layer_path(layer)] = Decision(Action.RECOMPUTE)
             continue
         for i, a in zip(members, acts):
             if a is Action.SWAP:

@@ -18,6 +18,7 @@ EXPECTED: dict[str, set[str]] = {
     "demo": {"--out", "--model"},
     "explain": {"--model", "--model-args", "--config", "--recompute-activations", "--recompute-granularity",
                 "--recompute-method", "--recompute-num-layers", "--distribute-saved-activations"},
+    "units": {"--model", "--model-args", "--profile"},
     "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
                "--micro-batches", "-o", "--output", "--format"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},

@@ -42,7 +42,7 @@ def test_profile_on_fake_tensors_for_named_hardware(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,needle", [
     (["--model", "llama-huge"], "model spec 'llama-huge': unknown; expected a preset"),
-    (["--model", "hf:t5"], "unknown family 't5'"),
+    (["--model", "hf:roberta"], "unknown family 'roberta'"),
     (["--model", "test_model_spec:raising_factory"], "factory raised RuntimeError: weights not found"),
     (["--model", "test_model_spec:frozen_lm"], "output has no grad"),
     (["--model", "llama-tiny", "--batch-size", "0"], "--batch-size='0': expected a positive integer"),

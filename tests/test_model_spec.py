@@ -144,7 +144,7 @@ def test_factory_returning_a_bundle_is_used_as_is():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"spec": "gpt-5"}, r"model spec 'gpt-5': unknown; expected a preset .*hf:<family>.*package.module:factory"),
-    ({"spec": "hf:bert"}, r"'hf:bert': unknown family 'bert'; expected hf:<llama\|"),
+    ({"spec": "hf:roberta"}, r"'hf:roberta': unknown family 'roberta'; expected hf:<llama\|"),
     ({"spec": "test_model_spec:raising_factory"}, r"factory raised RuntimeError: weights not found"),
     ({"spec": "test_model_spec:not_a_module"}, r"factory returned int; expected an nn.Module or a ModelBundle"),
     ({"spec": "test_model_spec:missing"}, r"has no callable 'missing'"),

@@ -42,12 +42,12 @@ def _step_seconds(bundle: Any, seed: int, device: torch.device) -> float:
 def _cheapest_unit(profile: Profile) -> str | None:
     """Local name of the layer-0 unit with saved bytes whose recompute replays the least."""
     units = [u for u in profile.layer_units(0) if u.saved_bytes > 0 and u.consumers
-             and all(c.startswith(f"{profile.layer_container}.0.") for c in u.consumers)]
+             and all(c.startswith(f"{profile.layer_path(0)}.") for c in u.consumers)]
     return min(units, key=lambda u: u.fwd_time).local_name if units else None
 
 
 def _plans(profile: Profile) -> dict[str, Plan]:
-    layers = [f"{profile.layer_container}.{i}" for i in range(profile.num_layers)]
+    layers = [profile.layer_path(i) for i in range(profile.num_layers)]
     plans = {"swap": Plan(decisions={name: Decision(Action.SWAP, backward_prefetch=1) for name in layers})}
     unit = _cheapest_unit(profile)
     if unit is not None:

@@ -78,7 +78,7 @@ def layers_of(model: nn.Module) -> list[nn.Module]:
     info = find_layers(model)
     if info is None:
         raise PolicyError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of blocks")
-    return list(model.get_submodule(info.container))
+    return [model.get_submodule(info.layer_path(i)) for i in range(info.count)]
 
 
 def _wrap_forward(layer: nn.Module, make: Callable[[Callable], Callable]) -> Callable[[], None]:

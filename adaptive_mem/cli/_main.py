@@ -19,6 +19,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "adaptive_mem.cli._profile",
     "adaptive_mem.cli._demo",
     "adaptive_mem.cli._explain",
+    "adaptive_mem.cli._units",
     "adaptive_mem.cli._search",
     "adaptive_mem.cli._simulate",
     "adaptive_mem.cli._pareto",

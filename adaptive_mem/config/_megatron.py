@@ -125,7 +125,7 @@ def plan_from_megatron(ns: argparse.Namespace, *, names: LayerNames, num_layers:
             group = next((g for g in plan.groups if i in g), None)
             log.info("Set full recompute at layer %d%s", i,
                      f" (checkpoint unit: layers {group[0]}-{group[-1]})" if group else "")
-        elif core is not None:
+        elif core is not None and names.in_layer(i, [core]):
             plan.decisions[f"{lp}.{core}"] = Decision(Action.RECOMPUTE)
             log.info("Set select recompute at layer %d: %s", i, core)
         else:

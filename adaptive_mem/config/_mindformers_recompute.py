@@ -10,7 +10,8 @@ Two modes, as in the seeds:
 ``select_recompute`` given as True/False/counts applies to the default patterns
 (``feed_forward.mul`` and ``feed_forward.w1.activation.silu``; ``.*\\.norm`` for
 ``select_comm_recompute``); a list of regexes selects those ops in every layer;
-a mapping gives each regex its own value.
+a mapping gives each regex its own value. Regexes select local names as
+:func:`._errors.match_key` says (Note: [key matching]).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError, check_keys, expect_bool, fmt
+from ._errors import ConfigError, check_keys, expect_bool, fmt, match_key
 from ._layers import StageLayout
 from ._names import LayerNames
 
@@ -138,7 +139,8 @@ def parse_recompute(section: Any, *, layout: StageLayout, names: LayerNames, swa
             layers = [i for i in _layers_of(normal, layout, swap_mode) if i not in result.full]
             if not layers and pattern not in user:
                 continue
-            targets = names.resolve(pattern, f"{where}.{key}.{pattern}" if pattern in user else f"{where}.{key}")
+            targets = match_key(pattern, f"{where}.{key}.{pattern}" if pattern in user else f"{where}.{key}",
+                                modules=names.modules, units=names.units)
             for i in layers:
                 ops = dest.setdefault(i, [])
                 ops.extend(t for t in targets if t not in ops)

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError, check_keys, expect_bool, expect_int, fmt
+from ._errors import ConfigError, check_keys, expect_bool, expect_int, fmt, match_key
 from ._names import LayerNames
 
 __all__ = ["SWAP_KEYS", "LayerSwap", "OpSwap", "parse_swap"]
@@ -104,7 +104,7 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
     for i, entry in enumerate(op_entries):
         path = f"{where}.op_swap[{i}]"
         pattern = entry["op_name"]
-        targets.setdefault(pattern, tuple(names.resolve(pattern, f"{path}.op_name")))
+        targets.setdefault(pattern, match_key(pattern, f"{path}.op_name", modules=names.modules, units=names.units))
         prefetch = expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch", maximum=MAX_PREFETCH)
         groups.setdefault(pattern, []).append((prefetch,
                                                _layers(entry["layers"], f"{path}.layers", num_layers)))

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from profiler._units import UnitNamer, find_layers, join, leaf_label
+from profiler._units import LayerInfo, UnitNamer, find_layers, join, leaf_label
 
 from ._errors import ConfigError, fmt
 
@@ -39,10 +39,27 @@ class LayerNames:
     modules: tuple[str, ...]
     """Local module paths inside a layer, in definition order."""
     units: tuple[str, ...]
-    """Local leaf unit names inside a layer (plus the attention core when it is an op)."""
+    """Local leaf unit names inside a layer (plus the attention core when it is an op); with several
+    stacks, the names of every stack's first block (Note: [several layer stacks])."""
+    stacks: tuple[tuple[str, int], ...] = ()
+    """``(container, blocks)`` per stack when there are several (``encoder.block``, ``decoder.block``);
+    empty for one stack, whose layers all take every resolved name."""
+    present: tuple[frozenset[str], ...] = ()
+    """With several stacks, per layer: the local names that exist in it (module paths, leaf units, the
+    traced op units of its stack whose module it has)."""
 
     def layer_path(self, index: int) -> str:
+        if self.stacks:
+            return LayerInfo.of(self.stacks).layer_path(index)
         return f"{self.container}.{index}" if self.container else str(index)
+
+    def in_layer(self, index: int, locals_: list[str] | tuple[str, ...]) -> list[str]:
+        """The local names of ``locals_`` that layer ``index`` has: all of them with one stack; with several,
+        those of its own stack (``layer.2.DenseReluDense`` is a decoder name of T5, not an encoder one)."""
+        if not self.present:
+            return list(locals_)
+        have = self.present[index]
+        return [t for t in locals_ if t in have]
 
     def sample(self, k: int = 6) -> str:
         return ", ".join(self.units[:k])
@@ -210,11 +227,14 @@ def fake_clone(model: nn.Module, fake_mode: Any) -> tuple[nn.Module, dict[int, n
     return clone_module(model, make)
 
 
-def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
-    """Units of layer 0 from one fake-tensor forward on token ids (LMs); () when the model takes other inputs.
+def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], ...]:
+    """Units of the first block of each stack from one fake-tensor forward on token ids (LMs; encoder-decoder
+    models get the same ids as ``decoder_input_ids``); () when the model takes other inputs.
 
     Catches op units run by a non-leaf module itself (``feed_forward.w1.matmul``, HF ``self_attn.flash_attention``).
     """
+    import inspect
+
     from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -228,8 +248,8 @@ def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
     except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only
         return ()
     namer = UnitNamer(model)
-    prefix = (container + ".0.") if container else "0."
-    found: dict[str, None] = {}
+    prefixes = [info.layer_path(info.first(s)) + "." for s in range(len(info.stacks))]
+    found: list[dict[str, None]] = [{} for _ in prefixes]
 
     class _Collect(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -238,31 +258,37 @@ def _traced_units(model: nn.Module, container: str) -> tuple[str, ...]:
                                                    (out if isinstance(out, (tuple, list)) else (out,))):
                 return out  # metadata queries (prim.device) create no unit
             name = namer.name(func)
-            if name is not None and name.startswith(prefix):
-                found[name[len(prefix):]] = None
+            for k, prefix in enumerate(prefixes):
+                if name is not None and name.startswith(prefix):
+                    found[k][name[len(prefix):]] = None
             return out
 
     class _Stop(Exception):
         pass
 
     def stop(module, args, output):
-        raise _Stop  # layer 0 is all we need: skip the rest of the forward
+        raise _Stop  # the first block of the last stack is all we need: skip the rest of the forward
 
-    layer0 = model.get_submodule(prefix[:-1])
-    for module in layer0.modules():
-        module.register_forward_pre_hook(lambda m, a: namer.enter(m))
-        module.register_forward_hook(lambda m, a, o: namer.exit(m))
-    layer0.register_forward_hook(stop)
+    for prefix in prefixes:
+        for module in model.get_submodule(prefix[:-1]).modules():
+            module.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            module.register_forward_hook(lambda m, a, o: namer.exit(m))
+    model.get_submodule(prefixes[-1][:-1]).register_forward_hook(stop)
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]), fake:
             tokens = torch.zeros(1, 4, dtype=torch.long, device=embedding.weight.device)
+            extra = {"decoder_input_ids": tokens} if "decoder_input_ids" in params else {}
             with _Collect():
-                model(tokens)
+                model(tokens, **extra)
     except _Stop:
         pass
     except Exception:  # noqa: BLE001 - a model that does not take token ids: structural names only
         return ()
-    return tuple(found)
+    return tuple(tuple(f) for f in found)
 
 
 def layer_names(model: nn.Module | None) -> LayerNames:
@@ -275,11 +301,23 @@ def layer_names(model: nn.Module | None) -> LayerNames:
     if info is None or info.count == 0:
         raise ConfigError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of "
                           "identical blocks (the layers a config's layer indices refer to)")
-    container = model.get_submodule(info.container) if info.container else model
-    modules, units = _local_names(container[0])
-    traced = _traced_units(model, info.container)
-    units = tuple(dict.fromkeys(units + traced)) if traced else units + _guessed_core(modules, units)
-    return LayerNames(info.container, info.count, modules, units)
+    traced = _traced_units(model, info)
+    per_stack = []
+    for k in range(len(info.stacks)):
+        modules, units = _local_names(model.get_submodule(info.layer_path(info.first(k))))
+        units = tuple(dict.fromkeys(units + traced[k])) if traced else units + _guessed_core(modules, units)
+        per_stack.append((modules, units))
+    if len(per_stack) == 1:
+        return LayerNames(info.container, info.count, *per_stack[0])
+    present = []
+    for i in range(info.count):  # Note: [several layer stacks]
+        modules, leaves = _local_names(model.get_submodule(info.layer_path(i)))
+        own = set(modules) | set(leaves)
+        ops = (u for u in per_stack[info.stack_of(i)][1] if u.rpartition(".")[0] in own or "." not in u)
+        present.append(frozenset(own.union(ops)))
+    modules = tuple(dict.fromkeys(m for stack in per_stack for m in stack[0]))
+    units = tuple(dict.fromkeys(u for stack in per_stack for u in stack[1]))
+    return LayerNames(info.container, info.count, modules, units, stacks=info.stacks, present=tuple(present))
 
 
 @lru_cache(maxsize=1)

@@ -1,29 +1,55 @@
-"""Hugging Face causal LMs built from their config classes with random weights (``hf:<family>`` specs)."""
+"""Hugging Face models built from their config classes with random weights (``hf:<family>`` specs; HF defaults such as
+``use_cache=True`` kept, so planned layers meet the caches users train with)."""
 
 from __future__ import annotations
 
 import contextlib
 from typing import Any
 
-import torch
 from torch import nn
 
 from ._errors import ModelSpecError
 
-__all__ = ["HF_FAMILIES", "build_hf", "hf_unpacked_sequences"]
+__all__ = ["HF_FAMILIES", "HF_HEADS", "build_hf", "hf_unpacked_sequences"]
 
 
-# Tiny defaults: a few layers of width 64, enough to exercise every op of the family in well under a second.
-_TINY_LLAMA = dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+# Tiny defaults: 3 layers of width 64, enough to exercise every op of the family in well under a second.
+_IDS = dict(vocab_size=256, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TINY = dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+             max_position_embeddings=128)
+_GQA = dict(_TINY, num_key_value_heads=2)
 HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", _TINY_LLAMA),
-    "qwen2": ("Qwen2Config", _TINY_LLAMA),
-    "mistral": ("MistralConfig", _TINY_LLAMA),
-    "mixtral": ("MixtralConfig", {**_TINY_LLAMA, "num_local_experts": 4, "num_experts_per_tok": 2}),
-    "gpt2": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=512,
-                               resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)),
+    "llama": ("LlamaConfig", _GQA),
+    "mistral": ("MistralConfig", dict(_GQA, head_dim=16)),
+    "qwen2": ("Qwen2Config", _GQA),
+    "qwen3": ("Qwen3Config", dict(_GQA, head_dim=16)),
+    "gemma": ("GemmaConfig", dict(_GQA, head_dim=16)),
+    "gemma2": ("Gemma2Config", dict(_GQA, head_dim=16, sliding_window=64)),
+    "phi3": ("Phi3Config", dict(_GQA, original_max_position_embeddings=128)),
+    "olmo2": ("Olmo2Config", _GQA),
+    "starcoder2": ("Starcoder2Config", _GQA),
+    "mixtral": ("MixtralConfig", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                         shared_expert_intermediate_size=128)),
+    "gpt2": ("GPT2Config", dict(_IDS, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=128,
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    "gpt_neox": ("GPTNeoXConfig", dict(_TINY, hidden_dropout=0.0, attention_dropout=0.0)),
+    "opt": ("OPTConfig", dict(_IDS, hidden_size=64, ffn_dim=128, num_hidden_layers=3, num_attention_heads=4,
+                              word_embed_proj_dim=64, max_position_embeddings=128, dropout=0.0)),
+    "bloom": ("BloomConfig", dict(_IDS, hidden_size=64, n_layer=3, n_head=4)),
+    "falcon": ("FalconConfig", dict(_IDS, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=3,
+                                    num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
+                                    max_position_embeddings=128)),
+    "bert": ("BertConfig", dict(_TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "t5": ("T5Config", dict(_IDS, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
+                            dropout_rate=0.0, decoder_start_token_id=0)),
 }
+HF_HEADS: dict[str, str] = {"bert": "BertForMaskedLM", "t5": "T5ForConditionalGeneration"}
+"""Model class of the families that are not causal LMs (the rest: ``AutoModelForCausalLM``)."""
+_POSITIONS = {"gpt2": "n_positions", "bloom": None, "t5": None}
+"""Config attribute bounding the sequence length, where it is not ``max_position_embeddings``."""
+_EAGER = ("gemma2", "bloom")
+"""Families without an SDPA attention in transformers (gemma2: logit soft-capping)."""
 
 
 def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn.Module, int]:
@@ -35,7 +61,7 @@ def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn
         raise ModelSpecError(f"model spec {spec!r}: needs transformers (pip install 'adaptive-mem[hf]')") from None
     class_name, tiny = HF_FAMILIES[family]
     config_cls = getattr(transformers, class_name)
-    default = config_cls()
+    default = config_cls(**tiny)
     unknown = sorted(k for k in args if not hasattr(default, k))
     if unknown:
         raise ModelSpecError(f"model spec {spec!r}: model_args key {unknown[0]!r}: not an attribute of {class_name}")
@@ -43,19 +69,18 @@ def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn
         config = config_cls(**{**tiny, **args})
     except Exception as exc:  # noqa: BLE001 - the config class's own validation (HF strict dataclasses)
         raise ModelSpecError(rejected(spec, class_name, args, exc)) from None
-    positions = "n_positions" if family == "gpt2" else "max_position_embeddings"
-    if getattr(config, positions) < seq:
+    positions = _POSITIONS.get(family, "max_position_embeddings")
+    if positions is not None and getattr(config, positions) < seq:
         if positions in args:
             raise ModelSpecError(f"model spec {spec!r}: seq_len={seq}: expected at most {positions}={args[positions]}")
         setattr(config, positions, seq)
-    config.use_cache = False
+    head = HF_HEADS.get(family)
     try:
-        extra = {}
-        if family == "mixtral":
-            # grouped_mm's meta kernel takes bf16 only; batched_mm runs everywhere (same choice real and fake).
-            bf16 = torch.get_default_dtype() == torch.bfloat16
-            extra["experts_implementation"] = "grouped_mm" if bf16 else "batched_mm"
-        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", **extra)
+        if head is None:
+            attention = "eager" if family in _EAGER else "sdpa"
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+        else:
+            model = getattr(transformers, head)(config)
     except (ValueError, TypeError, AssertionError) as exc:
         raise ModelSpecError(f"model spec {spec!r}: {class_name} rejected model_args: {exc}") from None
     return model, config.vocab_size

@@ -38,6 +38,7 @@ from search._plan import Action, Plan
 
 from ._accounting import current_accounting
 from ._copy_guard import CopyGuard
+from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._op_level import OpLevelPaths, SacLayer, outside_dynamo
 from ._resolve import LayerMode, Resolution
 from ._sac_policy import OpCounter
@@ -100,6 +101,7 @@ class Executor(OpLevelPaths):
         self._sac: dict[int, SacLayer] = {}
         self._copies = CopyGuard(model, handles=self._handles, forwards=self._forwards)
         self._compile_warned = False
+        self._cache_warned: set[str] = set()
         self.engine: SwapEngine | None = None
         if plan.targets(Action.SWAP):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -207,7 +209,8 @@ class Executor(OpLevelPaths):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return orig(*args, **kwargs)
-            return self._ckpt(run, *args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(self.layers[i], args, kwargs, self._cache_warned)
+            return self._ckpt(replays_on_snapshot(run, fresh), *args, **kwargs)  # Note: [cache in recompute]
         return forward
 
     def _group_head(self, group: list[int]) -> Callable[..., Any]:
@@ -227,7 +230,8 @@ class Executor(OpLevelPaths):
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return head(*args, **kwargs)
-            outs = self._ckpt(run, *args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(self.layers[group[0]], args, kwargs, self._cache_warned)
+            outs = self._ckpt(replays_on_snapshot(run, fresh), *args, **kwargs)
             for k, j in enumerate(group[1:]):
                 self._group_outputs[j] = (_first_tensor(outs[k]), outs[k + 1])
             return outs[0]

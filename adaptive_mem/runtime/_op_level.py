@@ -41,6 +41,7 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from profiler._units import UnitNamer
 from search._plan import Action, Plan
 
+from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._resolve import OUTSIDE_BEFORE, Resolution, decide
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
 from ._swap_engine import Packed, SwapEngine
@@ -158,6 +159,7 @@ class OpLevelPaths:
     _sac: dict[int, SacLayer]
     _orig: Callable[[int], Callable[..., Any]]
     _compile_warned: bool
+    _cache_warned: set[str]
 
     # ================================================================== torch.compile (Note: [compile honoured])
     def _compiled_blocks(self, *, in_forward: bool) -> tuple[bool, list[int]]:
@@ -219,11 +221,13 @@ class OpLevelPaths:
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return orig(*args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(layer, args, kwargs, self._cache_warned)  # Note: [cache in recompute]
             if state.trace is None:
-                self._prepare_sac(state, layer, orig, args, kwargs)
+                self._prepare_sac(state, layer, orig, *fresh())
             state.swap_outputs = {}
             contexts.clear()
-            out = checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            out = checkpoint(replays_on_snapshot(run, fresh), *args, use_reentrant=False, context_fn=context_fn,
+                             **kwargs)
             if state.swap_outputs:
                 self._swap_cache_entries(state, contexts[0])
             contexts.clear()

@@ -21,6 +21,8 @@ from search._model import StepModel
 from search._plan import Action, Decision, Plan, PlanError, matches
 from search._simulator import Assignment, segments
 
+from adaptive_mem.runtime._functions import function_labels
+
 __all__ = ["LayerMode", "Resolution", "resolve_plan", "decide", "log_plan", "OUTSIDE_BEFORE", "PlanSummary",
            "summarize"]
 
@@ -110,7 +112,8 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         if target in modules or target in leaves or (known_units is not None and target in known_units):
             continue
         head, _, label = target.rpartition(".")
-        if known_units is None and (head in inner or head == "") and _is_op_label(label):
+        if known_units is None and (head in inner or head == "") and (
+                _is_op_label(label) or re.sub(r"_\d+$", "", label) in function_labels()):
             provisional.append(target)
             continue
         sample = sorted(u for u in (known_units or leaves))
@@ -125,9 +128,10 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         if decision.action is not Action.RECOMPUTE:
             continue
         inside = any(target == p or target.startswith(p + ".") for p in paths)
-        covers_layers_only = layers is not None and target == layers.container
+        covers_layers_only = layers is not None and target in layers.containers
         if not inside and not covers_layers_only:
-            where = f"{layers.container}.N" if layers else "repeated layers (none found in this model)"
+            where = (" or ".join(f"{c}.N" for c in layers.containers) if layers
+                     else "repeated layers (none found in this model)")
             raise PlanError(f"plan.decisions.{target!r}: action recompute outside the repeated layers; expected "
                             f"recompute targets inside {where}")
 
@@ -152,6 +156,9 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
                 raise PlanError(f"plan.groups[{g}]={group}: layer {i} is not decided recompute as a whole layer; "
                                 f"expected '{paths[i]}: recompute' for every layer of a group")
         if len(group) > 1:
+            if len({layers.stack_of(i) for i in group}) > 1:
+                raise PlanError(f"plan.groups[{g}]={group}: spans {' and '.join(layers.containers)}; expected the "
+                                "layers of one stack in a group")
             groups.append(list(group))
     seen: set[int] = set()
     for group in groups:

@@ -30,6 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
+from profiler._fake_ops import install_fake_fallbacks
 from profiler._units import UnitNamer
 
 __all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
@@ -163,6 +164,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
             clone, originals = fake_clone(layer, fake)
             fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
                                       (args, kwargs))
+            install_fake_fallbacks()  # Note: [fake op fallbacks]
             with fake:
                 recorder = run_on(clone, originals, fargs, fkwargs)
         except Exception as exc:  # data-dependent ops: learn the same facts from one real forward, discarded

@@ -1,0 +1,166 @@
+"""The Hugging Face zoo: every plan kind exact on 18 families (tiny random-weight models, 3 layers, width 64).
+
+Per family and plan: one training step of the planned model against the same model without a plan (same
+weights, same batch, same seed); loss and every gradient ``torch.equal``. Models keep Hugging Face's
+defaults (``use_cache=True``: the layers get a ``Cache`` object, Note: [mutable layer inputs]). Full
+recompute must also hold no more activation memory at its peak than ``torch.utils.checkpoint``
+(non-reentrant) on every layer, both measured by ``MemTracker``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from adaptive_mem import build_model, optimize
+
+BATCH, SEQ = 2, 32
+
+# family -> (MLP key, attention key): local module names inside a layer, as config regexes.
+KEYS: dict[str, tuple[str, str]] = {
+    "llama": ("mlp", "self_attn"), "mistral": ("mlp", "self_attn"), "qwen2": ("mlp", "self_attn"),
+    "qwen3": ("mlp", "self_attn"), "gemma": ("mlp", "self_attn"), "gemma2": ("mlp", "self_attn"),
+    "phi3": ("mlp", "self_attn"), "olmo2": ("mlp", "self_attn"), "starcoder2": ("mlp", "self_attn"),
+    "mixtral": ("mlp", "self_attn"), "qwen2_moe": ("mlp", "self_attn"),
+    "gpt2": ("mlp", "attn"), "gpt_neox": ("mlp", "attention"), "opt": ("fc1", "self_attn"),
+    "bloom": ("mlp", "self_attention"), "falcon": ("mlp", "self_attention"),
+    "bert": ("intermediate", "attention"), "t5": ("DenseReluDense", "SelfAttention"),
+}
+
+
+def _op_swap(attn: str, layers) -> dict:
+    return {"swap": True, "op_swap": [{"op_name": attn, "backward_prefetch": 1, "layers": layers}]}
+
+
+def _configs(family: str) -> dict[str, dict]:
+    mlp, attn = KEYS[family]
+    return {
+        "full-recompute": {"recompute_config": {"recompute": True}},
+        "layer-swap": {"swap_config": {"swap": True, "layer_swap": [{"backward_prefetch": 1, "layers": True}]}},
+        "select-recompute-mlp": {"recompute_config": {"select_recompute": {mlp: True}}},
+        "op-swap-attention": {"swap_config": _op_swap(attn, True)},
+        # Case 4 of the MindFormers seed: select recompute of the MLP on even layers, op swap of attention on all.
+        "mixed-alternating": {"recompute_config": {"select_recompute": {mlp: [0, 2]}},
+                              "swap_config": _op_swap(attn, True)},
+    }
+
+
+PLANS = (*_configs("llama"), "milp-half")
+CASES = [pytest.param(f, p, id=f"{f}-{p}", marks=[pytest.mark.xfail(
+    strict=True, reason="issue #13 open gap: the milp plan of T5 names an attention op unit "
+    "(encoder.block.0.layer.0.SelfAttention.clone_1) that the executor's names of the live step do not have")]
+    if (f, p) == ("t5", "milp-half") else [])
+    for f in KEYS for p in PLANS]
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(previous)
+
+
+def _build(family: str):
+    return build_model(f"hf:{family}", batch_size=BATCH, seq_len=SEQ, seed=0)
+
+
+def _step(bundle, batch):
+    model = bundle.model
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1234)
+    loss = bundle.loss(batch)
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(family: str):
+    bundle = _build(family)
+    batch = bundle.batch(seed=0)
+    return bundle, batch, _step(bundle, batch)
+
+
+def _milp_plan(family: str, tmp_path) -> str:
+    """The milp plan at half the activation peak, searched on the family's own profile (one recorded step)."""
+    import profiler
+    from adaptive_mem.cli import main
+
+    profile, plan = tmp_path / "p.json", tmp_path / "plan.yaml"
+    profiler.profile_step(_build(family), warmup=0, repeat=0, record=1, optimizer_time=0.0).save(profile)
+    assert main(["search", str(profile), "--activation-budget", "0.5", "-o", str(plan)]) == 0
+    return str(plan)
+
+
+def _assert_same(got, want, what: str) -> None:
+    loss, grads = got
+    assert torch.equal(loss, want[0]), f"{what}: loss {loss} != {want[0]}"
+    assert grads.keys() == want[1].keys(), what
+    for key, grad in want[1].items():
+        assert torch.equal(grads[key], grad), f"{what}: grad of {key} differs"
+
+
+@pytest.mark.parametrize("family,plan", CASES)
+def test_zoo_exact(family: str, plan: str, tmp_path, caplog):
+    bundle, batch, ref = _reference(family)
+    kwargs = {"plan": _milp_plan(family, tmp_path)} if plan == "milp-half" else {"config": _configs(family)[plan]}
+    with caplog.at_level(logging.WARNING), optimize(bundle.model, **kwargs) as handle:
+        assert handle.summary().takes_effect, handle.summary()
+        for _ in range(2):  # the second step reuses what the first one traced
+            _assert_same(_step(bundle, batch), ref, f"{family} {plan}")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "error-level log records"
+
+
+def _peak(bundle, batch) -> int:
+    tracker = MemTracker()
+    tracker.track_external(bundle.model)
+    bundle.model.zero_grad(set_to_none=True)
+    with tracker:
+        bundle.loss(batch).backward()
+    peak = tracker.get_tracker_snapshot("peak")
+    return max(snap["Total"] if "Total" in snap else sum(snap.values()) for snap in peak.values())
+
+
+@pytest.mark.parametrize("family", list(KEYS))
+def test_full_recompute_peak_at_most_checkpoint(family: str):
+    bundle, batch, _ = _reference(family)
+    model = bundle.model
+    # Both runs without the cache (Hugging Face's checkpointing drops it; Note: [cache in recompute] keeps it).
+    use_cache, model.config.use_cache = model.config.use_cache, False
+    try:
+        with optimize(model, config={"recompute_config": {"recompute": True}}):
+            ours = _peak(bundle, batch)
+        # torch.utils.checkpoint (non-reentrant) on every layer, as Hugging Face applies it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        theirs = _peak(bundle, batch)
+    finally:
+        model.activation_checkpointing_disable()
+        model.config.use_cache = use_cache
+    assert ours <= theirs, f"{family}: full recompute peak {ours} > checkpoint-every-layer peak {theirs}"
+
+
+def _expert_plans(family: str) -> dict[str, dict]:
+    swap = {"action": "swap", "backward_prefetch": 1}
+    units = {f"model.layers.{i}.mlp.experts.act_fn": "recompute" for i in range(3)}
+    units |= {f"model.layers.{i}.mlp.experts.grouped_mm_1": swap for i in range(3)}
+    return {
+        "plan": {"plan": {"format": "adaptive-mem-plan", "version": 1, "decisions": units, "groups": []}},
+        "config": {"config": {"recompute_config": {"select_recompute": {r"mlp\.experts\.act_fn": True}},
+                              "swap_config": _op_swap(r"mlp\.experts\.grouped_mm_1", True)}},
+    }
+
+
+@pytest.mark.parametrize("how", ["plan", "config"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+def test_moe_expert_units_are_targetable(family: str, how: str, caplog):
+    """fp32 grouped_mm experts (transformers' default experts implementation) trace on fake tensors
+    (Note: [fake op fallbacks]) and their units are named: a plan or a config reaches inside the experts."""
+    bundle, batch, ref = _reference(family)
+    with caplog.at_level(logging.WARNING), optimize(bundle.model, **_expert_plans(family)[how]) as handle:
+        _assert_same(_step(bundle, batch), ref, f"{family} experts")
+        assert handle.swap_stats.offloaded_bytes > 0
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "error-level log records"
