@@ -23,7 +23,8 @@ PROFILE_KEYS = [
     ("units", 0, "bwd_time"), ("static", "parameters"), ("static", "buffers"), ("static", "gradients"),
     ("static", "optimizer_state"), ("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
     ("hardware", "h2d_bandwidth"), ("hardware", "d2h_bandwidth"), ("hardware", "device_memory"),
-    ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("saved_input_bytes",),
+    ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("hardware", "disk_bandwidth"),
+    ("saved_input_bytes",),
     ("peak_memory",), ("step_time",), ("unattributed_time",), ("optimizer_time",), ("num_layers",),
     ("model", "batch_size"), ("model", "seq_len"),
 ]
