@@ -2,7 +2,7 @@
 
 Per family and plan: one training step of the planned model against the same model without a plan (same
 weights, same batch, same seed); loss and every gradient ``torch.equal``. Models keep Hugging Face's
-defaults (``use_cache=True``: the layers get a ``Cache`` object, Note: [mutable layer inputs]). Full
+defaults and ``use_cache=True`` (the layers get a ``Cache`` object, Note: [cache in recompute]). Full
 recompute must also hold no more activation memory at its peak than ``torch.utils.checkpoint``
 (non-reentrant) on every layer, both measured by ``MemTracker``.
 """
@@ -66,7 +66,7 @@ def _deterministic():
 
 
 def _build(family: str):
-    return build_model(f"hf:{family}", batch_size=BATCH, seq_len=SEQ, seed=0)
+    return build_model(f"hf:{family}", model_args={"use_cache": True}, batch_size=BATCH, seq_len=SEQ, seed=0)
 
 
 def _step(bundle, batch):

@@ -201,8 +201,6 @@ def test_the_swap_engine_refuses_to_be_copied():
             copy.deepcopy(handle._executor.engine)
 
 
-@pytest.mark.xfail(strict=True, reason="the selective-checkpoint fake-tensor trace runs the layer on the caller's "
-                                       "DynamicCache and leaves fake keys/values in it (runtime/_sac_policy.py)")
 def test_select_recompute_with_the_kv_cache():
     model = tiny(use_cache=True).eval()
     expected = model(input_ids=ids()).logits

@@ -1,5 +1,6 @@
-"""Hugging Face models built from their config classes with random weights (``hf:<family>`` specs; HF defaults such as
-``use_cache=True`` kept, so planned layers meet the caches users train with)."""
+"""Hugging Face models built from their config classes with random weights (``hf:<family>`` specs), for training:
+``use_cache`` off unless ``--model-args use_cache=true`` asks for it (as Hugging Face's own training with
+gradient checkpointing does); planned layers that do get a ``Cache`` handle it (Note: [cache in recompute])."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _TINY = dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, n
              max_position_embeddings=128)
 _GQA = dict(_TINY, num_key_value_heads=2)
 HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", _GQA),
+    "llama": ("LlamaConfig", dict(_GQA, intermediate_size=176)),
     "mistral": ("MistralConfig", dict(_GQA, head_dim=16)),
     "qwen2": ("Qwen2Config", _GQA),
     "qwen3": ("Qwen3Config", dict(_GQA, head_dim=16)),
@@ -74,6 +75,8 @@ def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn
         if positions in args:
             raise ModelSpecError(f"model spec {spec!r}: seq_len={seq}: expected at most {positions}={args[positions]}")
         setattr(config, positions, seq)
+    if "use_cache" not in args:
+        config.use_cache = False
     head = HF_HEADS.get(family)
     try:
         if head is None:

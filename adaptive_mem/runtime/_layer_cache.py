@@ -50,13 +50,13 @@ def _copy(cache: Any) -> Any:
 
 
 def cache_snapshot(layer: nn.Module, args: tuple, kwargs: dict, warned: set[str]
-                   ) -> tuple[tuple, dict, Callable[[], tuple[tuple, dict]]]:
+                   ) -> tuple[tuple, dict, Callable[[], tuple[tuple, dict]] | None]:
     """``(args, kwargs, fresh)`` for a recomputed call of ``layer``: ``fresh()`` gives the arguments with a new
-    copy of each cache as it is now. A cache that cannot be copied is taken out of ``args``/``kwargs`` here."""
+    copy of each cache as it is now (None: the call has no cache). A cache that cannot be copied is taken out of ``args``/``kwargs`` here."""
     at = [k for k, a in enumerate(args) if _is_cache(a)]
     keys = [k for k, v in kwargs.items() if _is_cache(v)]
-    if not at and not keys:
-        return args, kwargs, lambda: (args, kwargs)
+    if not at and not keys:  # no cache: the call is checkpointed as it is (nothing mutated under compile)
+        return args, kwargs, None
     try:
         saved = {("a", k): _copy(args[k]) for k in at} | {("k", k): _copy(kwargs[k]) for k in keys}
     except Exception as exc:  # noqa: BLE001 - an uncopyable cache: run without it, as HF's checkpointing does
@@ -68,8 +68,10 @@ def cache_snapshot(layer: nn.Module, args: tuple, kwargs: dict, warned: set[str]
     return args, kwargs, fresh
 
 
-def replays_on_snapshot(fn: Callable[..., Any], fresh: Callable[[], tuple[tuple, dict]]) -> Callable[..., Any]:
+def replays_on_snapshot(fn: Callable[..., Any], fresh: Callable[[], tuple[tuple, dict]] | None) -> Callable[..., Any]:
     """``fn`` for checkpoint: the first call runs as given, every later call (a replay) on ``fresh()``."""
+    if fresh is None:
+        return fn
     calls = [0]
 
     def run(*args: Any, **kwargs: Any) -> Any:

@@ -223,7 +223,7 @@ class OpLevelPaths:
                 return orig(*args, **kwargs)
             args, kwargs, fresh = cache_snapshot(layer, args, kwargs, self._cache_warned)  # Note: [cache in recompute]
             if state.trace is None:
-                self._prepare_sac(state, layer, orig, *fresh())
+                self._prepare_sac(state, layer, orig, *(fresh() if fresh is not None else (args, kwargs)))
             state.swap_outputs = {}
             contexts.clear()
             out = checkpoint(replays_on_snapshot(run, fresh), *args, use_reentrant=False, context_fn=context_fn,
