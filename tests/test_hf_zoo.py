@@ -66,7 +66,8 @@ def _deterministic():
 
 
 def _build(family: str):
-    return build_model(f"hf:{family}", model_args={"use_cache": True}, batch_size=BATCH, seq_len=SEQ, seed=0)
+    args = {"use_cache": True, **({"num_hidden_layers": 3} if family == "llama" else {})}  # every family: 3 layers
+    return build_model(f"hf:{family}", model_args=args, batch_size=BATCH, seq_len=SEQ, seed=0)
 
 
 def _step(bundle, batch):

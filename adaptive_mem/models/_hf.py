@@ -20,7 +20,7 @@ _TINY = dict(_IDS, hidden_size=64, intermediate_size=128, num_hidden_layers=3, n
              max_position_embeddings=128)
 _GQA = dict(_TINY, num_key_value_heads=2)
 HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
-    "llama": ("LlamaConfig", dict(_GQA, intermediate_size=176)),
+    "llama": ("LlamaConfig", dict(_GQA, intermediate_size=176, num_hidden_layers=2, max_position_embeddings=512)),
     "mistral": ("MistralConfig", dict(_GQA, head_dim=16)),
     "qwen2": ("Qwen2Config", _GQA),
     "qwen3": ("Qwen3Config", dict(_GQA, head_dim=16)),
