@@ -142,7 +142,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             needed = re.search(r"needed [^(]*\((\d+) bytes\)", refused.get("message") or "")
             if needed is None:
                 continue
-            budget = int(needed.group(1)) + 100_000
+            budget = int(needed.group(1)) * 115 // 100  # the profiled minimum can exceed the static check (#19 note)
             b = bundle()
             model = wrap(b.model)
             opt = optimizer(model)
