@@ -194,3 +194,51 @@ def test_checkpoint_groups_stay_inside_one_stack(t5, t5_profile):
     assert model.stack_ranges() == [(1, 2), (3, 4)]
     uniform = get_solver("uniform")._groups(model, 3)
     assert uniform.groups == ((1, 2), (3, 4))
+
+
+@pytest.mark.parametrize("use_cache", [False, True])
+def test_checkpoint_groups_inside_a_t5_stack_are_exact(t5, use_cache, caplog):
+    """Note: [group inputs]: T5's first block computes the position bias the next blocks take, so a group
+    over blocks 0-1 splits into per-layer recompute (one warning naming the input); with the decoder's
+    cache the first call runs per layer, checking the inputs, and the cache is written once."""
+    model = copy.deepcopy(t5)
+    model.config.use_cache = use_cache
+    whole = {p: "recompute" for p in ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1")}
+    plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": whole, "groups": [[0, 1], [2, 3]]})
+    planned = copy.deepcopy(model)
+    with caplog.at_level("WARNING"), adaptive_mem.optimize(planned, plan=plan):
+        for _ in range(3):
+            reference = copy.deepcopy(model)
+            _assert_exact(reference, planned)
+            planned.zero_grad(set_to_none=True)
+    warnings = [r.getMessage() for r in caplog.records if "checkpoint group" in r.getMessage()]
+    assert len(warnings) == 2, warnings
+    assert "layers 0-1 runs as per-layer recompute: layer 1 takes position_bias" in warnings[0]
+    assert "layers 2-3 runs as per-layer recompute: layer 3 takes position_bias" in warnings[1]
+
+
+def test_checkpoint_group_with_a_cache_runs_as_one_group_after_its_checking_call(caplog):
+    """Note: [group inputs]: a stack whose layers take only the hidden states from each other (Llama, with its
+    KV cache) is checked on the first call and grouped from then on, exactly and without a warning."""
+    from adaptive_mem import build_model
+
+    bundle = build_model("hf:llama", model_args={"use_cache": True, "num_hidden_layers": 3}, batch_size=2,
+                         seq_len=16, seed=0)
+    batch = bundle.batch(seed=0)
+
+    def step():
+        bundle.model.zero_grad(set_to_none=True)
+        loss = bundle.loss(batch)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in bundle.model.named_parameters()}
+
+    want = step()
+    whole = {f"model.layers.{i}": "recompute" for i in range(3)}
+    plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": whole, "groups": [[0, 1, 2]]})
+    with caplog.at_level("WARNING"), adaptive_mem.optimize(bundle.model, plan=plan) as handle:
+        for _ in range(3):
+            got = step()
+            assert torch.equal(got[0], want[0])
+            assert all(torch.equal(got[1][k], v) for k, v in want[1].items())
+        assert handle._executor._checked_groups == {0} and not handle._executor._split_groups
+    assert not [r for r in caplog.records if "checkpoint group" in r.getMessage()]

@@ -50,12 +50,7 @@ def _configs(family: str) -> dict[str, dict]:
 
 
 PLANS = (*_configs("llama"), "milp-half")
-CASES = [pytest.param(f, p, id=f"{f}-{p}", marks=[pytest.mark.xfail(
-    strict=True, reason="issue #13 open gap: the milp plan of T5 names an attention op unit "
-    "(encoder.block.0.layer.0.SelfAttention.clone_1) that the executor's names of the live step do not have")]
-    if (f, p) == ("t5", "milp-half") else [])
-    for f in KEYS for p in PLANS]
-
+CASES = [pytest.param(f, p, id=f"{f}-{p}") for f in KEYS for p in PLANS]
 
 @pytest.fixture(autouse=True)
 def _deterministic():

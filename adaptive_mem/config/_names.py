@@ -279,7 +279,7 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
     except (TypeError, ValueError):
         params = {}
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]), fake:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]), fake:
             tokens = torch.zeros(1, 4, dtype=torch.long, device=embedding.weight.device)
             extra = {"decoder_input_ids": tokens} if "decoder_input_ids" in params else {}
             with _Collect():

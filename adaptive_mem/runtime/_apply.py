@@ -166,7 +166,7 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
             module.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
         fa, fk = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor)
                           and maybe_get_fake_mode(x) is not fake else x, (tuple(args), dict(kwargs or {})))
-        with fake, _Names(), torch.no_grad():
+        with fake, _Names(), torch.enable_grad():  # a training step's kernels (SDPA picks by requires_grad)
             clone(*fa, **fk)
     return list(names)
 

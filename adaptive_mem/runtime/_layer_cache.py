@@ -20,12 +20,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["cache_snapshot", "replays_on_snapshot"]
+__all__ = ["cache_snapshot", "has_cache", "replays_on_snapshot"]
 
 log = logging.getLogger(__name__)
 
 def _is_cache(obj: Any) -> bool:
     return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(obj).__mro__)
+
+
+def has_cache(args: tuple, kwargs: dict) -> bool:
+    return any(_is_cache(a) for a in args) or any(_is_cache(v) for v in kwargs.values())
 
 
 def _copy(cache: Any) -> Any:
