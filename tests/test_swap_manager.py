@@ -193,3 +193,29 @@ def test_rescue_drops_the_applied_plans_unused_prefetches_too():
     finally:
         plan_engine.close()
         manager.close()
+
+
+def test_a_graph_dropped_without_backward_leaks_nothing():
+    """Note: [pack without a cycle]: a forward whose graph is dropped without backward (an evaluation under
+    grad) leaves no saved activation, slot or model alive once the manager is closed."""
+    import gc
+    import weakref
+
+    from adaptive_mem.memory._storage import Slot
+
+    b = bundle()
+    manager, hook = _managed(b.model)
+    model = weakref.ref(b.model)
+    try:
+        with DeviceMemory(track_existing=False) as mem:
+            mem.track(b.model)
+            hook.begin_step()
+            loss = b.loss(b.batch(seed=0))
+            assert manager.groups(), "nothing was tracked"
+            del loss
+    finally:
+        manager.close()
+    del b, manager, hook, mem
+    gc.collect()
+    assert not [o for o in gc.get_objects() if isinstance(o, Slot)]
+    assert model() is None, "the dropped graph keeps the model alive"

@@ -62,6 +62,16 @@ class ManagerStats:
     """Prefetched storages sent back to the host before use to make room."""
 
 
+def _no_cycle(t: Any) -> Any:
+    """Note: [pack without a cycle]. What a pack hook returns is held by the autograd node that saves it;
+    a tensor that node produced (ops saving their output: exp, softmax, ...) holds that node as its
+    ``grad_fn``, a cycle through C++ that the garbage collector cannot see. Backward frees it; a graph
+    dropped without backward (a step that failed in forward, an evaluation under grad) would leak its
+    activations for good. Saving ``t.detach()`` breaks the cycle: autograd re-attaches the metadata on
+    unpack (tests/test_swap_manager.py ``test_a_failed_forward_leaks_nothing``)."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t
+
+
 class SwapManager:
     """Tracks saved activations of ``model``'s forwards; frees device memory on demand.
 
@@ -164,7 +174,8 @@ class SwapManager:
         t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
                   if isinstance(x, torch.Tensor) and x.requires_grad), None)
         if t is not None:
-            t.register_hook(lambda grad: self._on_backward(i))
+            me = weakref.ref(self)  # the graph must not keep the manager (and the model) alive
+            t.register_hook(lambda grad: me() is not None and me()._on_backward(i))
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         self._path.append(self._names.get(id(module), ""))
@@ -181,7 +192,7 @@ class SwapManager:
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, outer_pack: Callable | None, outer_unpack: Callable | None, t: torch.Tensor) -> Any:
-        inner = outer_pack(t) if outer_pack is not None else t
+        inner = outer_pack(t) if outer_pack is not None else _no_cycle(t)
         if (not isinstance(inner, torch.Tensor) or isinstance(inner, nn.Parameter) or inner.device != self.device
                 or inner.is_sparse or type(inner) is not torch.Tensor):
             return ("opaque", inner, outer_unpack)

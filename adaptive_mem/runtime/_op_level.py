@@ -292,6 +292,8 @@ class OpLevelPaths:
         return outside, info[1]
 
     def _pack(self, t: torch.Tensor) -> Any:
+        if t.grad_fn is not None:
+            t = t.detach()  # Note: [pack without a cycle] in memory/_swap_manager.py
         if not self._producer or isinstance(t, nn.Parameter):
             return t
         st = t.untyped_storage()

@@ -127,7 +127,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage()._cdata)
-        return t
+        return t.detach() if t.grad_fn is not None else t  # the clone's graph is dropped without backward
 
     def run_on(clone: nn.Module, originals: dict[int, nn.Module], cargs: tuple, ckwargs: dict) -> _Recorder:
         call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
