@@ -154,3 +154,21 @@ def test_figures_have_titles_axis_labels_and_legends(sample, tmp_path):
         image = matplotlib.image.imread(tmp_path / name)
         assert image.ndim == 3 and image.shape[0] > 300 and image.shape[1] > 600
         assert image[..., :3].std() > 0.05  # not a blank canvas
+
+
+def test_report_shows_the_throughput_section(sample):
+    section = {"memory_bytes": 600 * 2**20, "memory_from": "measured peak of no plan at batch 2", "batch_sizes": [1, 2, 4],
+               "seq_len": 512, "rows": [
+                   {"policy": "no plan", "largest_batch": 2, "tokens_per_s": 400.0, "peak_bytes": 600 * 2**20},
+                   {"policy": "full recompute", "largest_batch": 4, "tokens_per_s": 350.5, "peak_bytes": 590 * 2**20},
+                   {"policy": "torch.compile memory budget", "largest_batch": None, "tokens_per_s": None,
+                    "peak_bytes": None},
+                   {"policy": "ours (batch and plan together)", "largest_batch": 4, "tokens_per_s": 455.25,
+                    "peak_bytes": 598 * 2**20, "predicted_tokens_per_s": 460.0}],
+               "ours_predicted": [{"batch_size": 4, "source": "scaled from 2", "fits": True, "step_time": 4.5,
+                                   "tokens_per_s": 455.1, "peak_bytes": 598 * 2**20, "note": ""}]}
+    text = render_report({**sample, "throughput": section})
+    assert "## Throughput at a fixed memory" in text and "## Throughput" not in render_report(sample)
+    assert "| ours (batch and plan together) | 4 | 455.2 | 598.0 | 460.0 |" in text
+    assert "| torch.compile memory budget | - | does not fit | - | - |" in text
+    assert "| 4 | scaled from 2 | yes |" in text

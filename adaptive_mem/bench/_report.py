@@ -200,6 +200,35 @@ def _simulated(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _throughput(results: dict[str, Any]) -> list[str]:
+    section = results.get("throughput")
+    if not section:
+        return []
+    if "error" in section:
+        return ["", "## Throughput at a fixed memory", "", f"Not measured: {section['error']}"]
+    lines = ["", "## Throughput at a fixed memory", "",
+             f"Memory {_mib(section['memory_bytes'])} MiB ({section['memory_from']}), seq {section['seq_len']}, "
+             f"batch sizes tried {section['batch_sizes']}: each policy's largest batch whose measured peak fits, "
+             "and its measured tokens/s; ours chooses the batch and the plan together "
+             "(`search.maximize_throughput`).", "",
+             "| policy | largest batch | tokens/s | peak (MiB) | predicted tokens/s |", "|---|---|---|---|---|"]
+    for r in section["rows"]:
+        if r["largest_batch"] is None or r["tokens_per_s"] is None:
+            lines.append(f"| {r['policy']} | - | {r.get('error') or 'does not fit'} | - | - |")
+            continue
+        predicted = r.get("predicted_tokens_per_s")
+        lines.append(f"| {r['policy']} | {r['largest_batch']} | {r['tokens_per_s']:.1f} | {_mib(r['peak_bytes'])} | "
+                     f"{f'{predicted:.1f}' if predicted else '-'} |")
+    predicted = section.get("ours_predicted") or []
+    if predicted:
+        lines += ["", "Ours, predicted per batch size:", "", "| batch | source | fits | step (s) | tokens/s | peak (MiB) |",
+                  "|---|---|---|---|---|---|"]
+        for r in predicted:
+            lines.append(f"| {r['batch_size']} | {r['source']} | {'yes' if r['fits'] else 'no'} | {_s(r['step_time'])} | "
+                         f"{r['tokens_per_s'] or 0:.1f} | {_mib(r['peak_bytes'])} |")
+    return lines
+
+
 def render_report(results: dict[str, Any]) -> str:
     """The report as markdown; ``results["figures"]`` (name -> PNG next to the report) are embedded."""
     plots = results.get("figures") or {}
@@ -237,5 +266,6 @@ def render_report(results: dict[str, Any]) -> str:
         for r in results["runs"]:
             seen.setdefault(r["policy"], r.get("label", ""))
         lines += [f"- `{k}`: {v}" for k, v in seen.items()]
+    lines += _throughput(results)
     lines += _simulated(results)
     return "\n".join(lines) + "\n"
