@@ -10,14 +10,13 @@ from __future__ import annotations
 import enum
 import json
 import reprlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
 import yaml
 
-from ._yaml import DuplicateKeyError, safe_load
+from ._yaml import load_document
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
 
@@ -223,19 +222,8 @@ class Plan:
 
     @classmethod
     def loads(cls, text: str, *, source: str = "<string>") -> "Plan":
-        try:
-            data = safe_load(text)  # YAML is a superset of JSON
-        except DuplicateKeyError as exc:
-            raise PlanError(f"plan file {source!r}: {exc.problem}; expected each key once") from None
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" at line {mark.line + 1}" if mark is not None else ""
-            raise PlanError(f"plan file {source!r}: not valid YAML/JSON{where}") from None
-        except RecursionError:
-            raise PlanError(f"plan file {source!r}: nested too deeply; expected a plan mapping") from None
-        except ValueError:  # Python refuses to parse an integer literal this long
-            raise PlanError(f"plan file {source!r}: a number of more than {sys.get_int_max_str_digits()} digits; "
-                            "expected a plan mapping") from None
+        data = load_document(text, what=f"plan file {source!r}", expected="a plan mapping", error=PlanError,
+                             syntax="YAML/JSON")  # YAML is a superset of JSON
         if data is None:
             raise PlanError(f"plan file {source!r}: empty; expected a mapping with format: {PLAN_FORMAT}")
         return cls.from_dict(data)

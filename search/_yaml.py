@@ -7,11 +7,12 @@ both lines instead.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import yaml
 
-__all__ = ["DuplicateKeyError", "safe_load"]
+__all__ = ["DuplicateKeyError", "load_document", "safe_load"]
 
 
 class DuplicateKeyError(yaml.constructor.ConstructorError):
@@ -40,3 +41,20 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def safe_load(text: str) -> Any:
     """``yaml.safe_load`` that raises :class:`DuplicateKeyError` on a repeated mapping key."""
     return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
+def load_document(text: str, *, what: str, expected: str, error: type[ValueError], syntax: str = "YAML") -> Any:
+    """:func:`safe_load` with every parse failure turned into one line ``{what}: <why>; expected ...`` raised as
+    ``error`` (a duplicate key, bad syntax with its line, nesting or an integer literal too long to parse)."""
+    try:
+        return safe_load(text)
+    except DuplicateKeyError as exc:
+        raise error(f"{what}: {exc.problem}; expected each key once") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise error(f"{what}: not valid {syntax}{where}") from None
+    except RecursionError:
+        raise error(f"{what}: nested too deeply; expected {expected}") from None
+    except ValueError:  # Python refuses to parse an integer literal this long
+        raise error(f"{what}: a number of more than {sys.get_int_max_str_digits()} digits; expected {expected}") from None

@@ -9,15 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch import nn
 
 from search._plan import PLAN_FORMAT, Plan
-from search._yaml import DuplicateKeyError, safe_load
+from search._yaml import load_document
 
 from ._errors import ConfigError, fmt
 from ._export import plan_to_megatron, plan_to_mindformers
@@ -39,19 +37,7 @@ def load_config(path: str | os.PathLike) -> dict:
         raise ConfigError(f"config file {str(path)!r}: cannot read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {str(path)!r}: not UTF-8 text; expected a MindFormers YAML") from None
-    try:
-        data = safe_load(text)
-    except DuplicateKeyError as exc:
-        raise ConfigError(f"config file {str(path)!r}: {exc.problem}; expected each key once") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"config file {str(path)!r}: not valid YAML{where}") from None
-    except RecursionError:
-        raise ConfigError(f"config file {str(path)!r}: nested too deeply; expected a MindFormers YAML") from None
-    except ValueError:  # Python refuses to parse an integer literal this long
-        raise ConfigError(f"config file {str(path)!r}: a number of more than {sys.get_int_max_str_digits()} digits; "
-                          "expected a MindFormers YAML") from None
+    data = load_document(text, what=f"config file {str(path)!r}", expected="a MindFormers YAML", error=ConfigError)
     if not isinstance(data, dict):
         what = "empty" if data is None else f"top level is {type(data).__name__}"
         raise ConfigError(f"config file {str(path)!r}: {what}; expected a mapping with recompute_config / swap_config")
