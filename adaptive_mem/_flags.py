@@ -27,7 +27,7 @@ _MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``,
-    ``--adaptive-batch-size``, ``--host-memory-budget``."""
+    ``--adaptive-batch-size``, ``--host-memory-budget``, ``--compile [BACKEND]``."""
     group = parser.add_argument_group("memory optimization (adaptive-mem)")
     have = set(getattr(parser, "_option_string_actions", {}))
     if "--adaptive-memory-optimization" not in have:
@@ -51,6 +51,10 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         group.add_argument("--host-memory-budget", default=None, metavar="SIZE",
                            help="host RAM swapped activations may take, e.g. 16GiB (default half the free RAM); "
                                 "beyond it they spill to memory-mapped files in a temporary directory")
+    if "--compile" not in have:
+        group.add_argument("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+                           help="torch.compile each repeated layer (per block) after the plan is applied, with "
+                                "BACKEND (default inductor; e.g. aot_eager)")
     return parser
 
 
@@ -105,7 +109,9 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     """Apply the memory flags of ``args`` to ``model``; returns the handle (``remove()`` restores) or None.
 
     ``--adaptive-memory-optimization`` -> :class:`AdaptiveMemory`; ``--memory-plan`` or Megatron recompute
-    flags -> :class:`OptimizeHandle`; none of them -> None. ``optimizer`` counts its state in the budget.
+    flags -> :class:`OptimizeHandle`; none of them -> None (with ``--compile`` alone: the blocks compiled, a
+    :class:`~adaptive_mem.runtime._compile_blocks.CompiledLayers`). ``--compile [BACKEND]`` compiles each
+    repeated layer after the plan is applied (``optimize(compile=...)``). ``optimizer`` counts its state in the budget.
     ``--adaptive-batch-size``: the handle's ``batch`` (an :class:`~adaptive_mem.adaptive._batch.AdaptiveBatch`)
     cuts each global batch (``global_batch``, else ``args.global_batch_size`` or ``args.batch_size``) into
     micro-batches for gradient accumulation.
@@ -119,7 +125,15 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
         from adaptive_mem.runtime._spill import as_host_budget
 
         host = as_host_budget(host, flag="--host-memory-budget")  # a bad size fails before anything is applied
+    compile_ = getattr(args, "compile", None)
+    if compile_ is not None:
+        from adaptive_mem.runtime._compile_blocks import compile_options
+
+        compile_options(compile_, key="--compile")  # a bad backend fails before anything is applied
     if adaptive:
+        if compile_ is not None:
+            raise ValueError(f"--adaptive-memory-optimization with --compile {compile_}: incompatible (the adaptive "
+                             "loop profiles the eager model); expected one of them")
         recompute = _recompute_flag(args)
         if recompute is not None:
             raise ValueError(f"--adaptive-memory-optimization with {recompute}: incompatible (the adaptive plan "
@@ -143,8 +157,13 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     if plan is not None:
         if _recompute_flag(args) is not None:
             raise ValueError(f"--memory-plan with {_recompute_flag(args)}: expected one of them")
-        return optimize(model, plan=plan, host_memory_budget=host)
+        return optimize(model, plan=plan, host_memory_budget=host, compile=compile_)
     if _recompute_flag(args) is not None:
-        return optimize(model, config=args, host_memory_budget=host)
+        return optimize(model, config=args, host_memory_budget=host, compile=compile_)
+    if compile_ is not None:
+        from adaptive_mem.runtime._compile_blocks import compile_blocks
+
+        log.info("no memory optimization flags: the model's blocks are compiled as they are")
+        return compile_blocks(model, compile_, key="--compile")
     log.info("no memory optimization flags: the model runs as it is")
     return None

@@ -12,6 +12,7 @@ from search._plan import Plan
 
 from adaptive_mem.adaptive._loop import adaptive_optimize
 from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan
+from adaptive_mem.runtime._compile_blocks import check_blocks, compile_blocks, compile_options
 
 __all__ = ["optimize", "OptimizeHandle"]
 
@@ -19,7 +20,7 @@ __all__ = ["optimize", "OptimizeHandle"]
 def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
              profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
              host_dir: str | None = None, budget: int | str | None = None, host_memory_budget: int | str | None = None,
-             **adaptive: Any) -> OptimizeHandle:
+             compile: Any = None, **adaptive: Any) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed.
 
     ``plan`` is a :class:`search.Plan`, a plan dict or a YAML/JSON file; ``config`` a MindFormers or
@@ -39,12 +40,28 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     logs one WARNING naming the cause. ``config={}`` (asking for nothing) raises
     :class:`adaptive_mem.ConfigError`.
 
+    ``compile`` (``True`` = inductor, a backend name such as ``"aot_eager"``, or a dict with ``backend``,
+    ``mode``, ``fullgraph``, ``dynamic``): after the plan is applied, each repeated layer is compiled in
+    place (``layer.compile``, per block as torchtitan does), so the plan's recompute and swap run inside or
+    around the compiled blocks; ``handle.remove()`` makes them plain again. The other order works too:
+    compile each block yourself, then ``optimize``; for recompute plans, ``torch.compile(model)`` after
+    ``optimize`` also works. Swap under a whole-model compile runs eager (one warning says why).
+
     ``budget`` instead of a plan: the adaptive loop (``adaptive_mem.adaptive_optimize``, which takes
     the other keywords) finds and applies the fastest plan under ``budget`` bytes while training.
     """
+    options = compile_options(compile, key="optimize: compile")
+    if options is not None and (budget is not None or adaptive):
+        raise ValueError(f"optimize: compile={compile!r} with budget=: expected one of them (the adaptive loop "
+                         "profiles the model as it runs; compile its blocks yourself before optimize)")
+    if options is not None:
+        check_blocks(model, compile, key="optimize: compile")
     if budget is not None or adaptive:  # the adaptive loop (issue 6)
         if budget is None or plan is not None or config is not None:
             raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
         return adaptive_optimize(model, budget=budget, host_memory_budget=host_memory_budget, **adaptive)
-    return apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
-                      host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)
+    handle = apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
+                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)
+    if options is not None:
+        handle.compiled = compile_blocks(model, compile, key="optimize: compile")
+    return handle

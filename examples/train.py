@@ -4,6 +4,9 @@
         --adaptive-memory-optimization --memory-budget 8MB --steps 12
     python examples/train.py --model hf:llama --batch-size 4 --seq-len 128 \
         --adaptive-memory-optimization --memory-budget 6MB --steps 12
+    python examples/train.py --model llama-tiny --memory-plan plan.yaml --compile aot_eager
+
+``--compile [BACKEND]`` compiles each repeated layer (per block) after the plan is applied (default inductor).
 
 The training loop below is an ordinary PyTorch loop; the only adaptive-mem lines are
 ``adaptive_mem.add_arguments(parser)`` and ``adaptive_mem.apply_arguments(model, args)``.

@@ -16,10 +16,12 @@ from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, meas
 from ._recorder import OpEvent, Recorder
 from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_outputs
 from ._static import OPTIMIZERS, static_memory
-from ._step import StepTarget, profile_step
+from ._compiled import CompileBackendError
+from ._step import StepTarget, profile_compiled, profile_step
 from ._summary import format_summary
 
 __all__ = [
+    "CompileBackendError",
     "HARDWARE",
     "HardwareError",
     "OPTIMIZERS",
@@ -35,6 +37,7 @@ __all__ = [
     "measure_device",
     "measure_link",
     "measure_disk",
+    "profile_compiled",
     "profile_step",
     "saved_output_units",
     "saved_outputs",

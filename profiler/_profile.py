@@ -13,6 +13,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ._compiled import check_compiled
 from ._units import LayerInfo
 
 __all__ = [
@@ -171,6 +172,9 @@ class Profile:
     layer_stacks: list[dict[str, Any]] = field(default_factory=list)
     """With several stacks of blocks (encoder-decoder): ``{"container": path, "count": blocks}`` per stack in
     layer-index order; empty (and not written) for one stack. Note: [several layer stacks]."""
+    compiled: dict[str, Any] | None = None
+    """Per-block ``torch.compile`` figures when the ops were rewritten to the compiled model (``profiler._compiled``,
+    Note: [compiled profile]); None (and not written) for an eager profile."""
 
     def layer_info(self) -> LayerInfo | None:
         """The stacks of blocks as :class:`profiler.LayerInfo` (None without blocks)."""
@@ -206,6 +210,8 @@ class Profile:
         data = asdict(self)
         if not data["layer_stacks"]:
             del data["layer_stacks"]  # one stack: the version-1 form, readable by older readers
+        if data["compiled"] is None:
+            del data["compiled"]
         return {"format": PROFILE_FORMAT, **data}
 
     def save(self, path: str | Path) -> None:
@@ -236,6 +242,7 @@ class Profile:
         if profile.model.get("parameters") is not None:
             _check("profile.model.parameters", profile.model["parameters"], "int")
         _check_stacks(profile)
+        check_compiled(profile.compiled, ProfileError)
         _check_references(profile)
         return profile
 

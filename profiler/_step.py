@@ -12,6 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ._compiled import CompileBackendError, apply_compiled, check_backend, measure_compiled
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
@@ -20,7 +21,7 @@ from ._recorder import OpEvent, Recorder
 from ._static import static_memory
 from ._timing import timed
 
-__all__ = ["StepTarget", "profile_step"]
+__all__ = ["StepTarget", "profile_compiled", "profile_step"]
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def profile_step(
     repeat: int = 3,
     record: int = 3,
     optimizer_time: float | None = None,
+    compile: str | None = None,
 ) -> Profile:
     """Profile one training step (forward + backward) of ``target``.
 
@@ -129,7 +131,11 @@ def profile_step(
     Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
     ``optimizer_time``: seconds of one optimizer step when the caller knows them; None times a
     scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
+    ``compile``: a ``torch.compile`` backend (``inductor``, ``aot_eager``): the profile describes the model
+    with every block compiled (:func:`profile_compiled`).
     """
+    if compile is not None:
+        check_backend(compile)
     if record < 1:
         raise ValueError(f"record={record}: expected at least one recorded step")
     step = _target(target, inputs, loss_fn)
@@ -157,6 +163,8 @@ def profile_step(
     elif optimizer_time < 0:
         raise ValueError(f"optimizer_time={optimizer_time}: expected seconds >= 0")
     result.optimizer_time = float(optimizer_time)
+    if compile is not None:
+        result = profile_compiled(step, result, backend=compile, repeat=max(1, repeat))
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
@@ -301,3 +309,33 @@ def _units(events: list[OpEvent], namer) -> list[UnitRecord]:
             consumers=consumers,
         ))
     return out
+
+
+def profile_compiled(target: Any, profile: Profile, *, backend: str, repeat: int = 3) -> Profile:
+    """``profile`` (eager, of ``target``) rewritten to the model with every block compiled by ``backend``
+    (``torch.compile`` per block): what each compiled block saves and its times, measured on ``target``
+    (``profiler._compiled``; Note: [compiled profile]). The model is left as it was."""
+    check_backend(backend)
+    if profile.compiled is not None:
+        raise CompileBackendError(f"profile.compiled.backend={profile.compiled['backend']!r}: already a compiled profile; "
+                         "expected the eager profile of the model")
+    step = _target(target, None, None)
+    if step.fake_mode is not None:
+        raise CompileBackendError(f"compile={backend!r} on fake tensors: expected a real device (compiled blocks are measured)")
+    info = profile.layer_info()
+    if info is None:
+        raise CompileBackendError(f"compile={backend!r}: the model has no repeated blocks to compile per block")
+    model = step.model
+    layers = [model.get_submodule(info.layer_path(i)) for i in range(info.count)]
+    was_training = model.training
+    model.train()
+    device = _device(model, False)
+    saved_grads = [(p, p.grad) for p in model.parameters()]
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
+            figures = measure_compiled(model, step.loss, layers, backend=backend, device=device, repeat=repeat)
+    finally:
+        model.train(was_training)
+        for p, grad in saved_grads:
+            p.grad = grad
+    return apply_compiled(profile, figures)

@@ -50,6 +50,12 @@ def format_summary(profile: Profile, *, top: int = 10) -> str:
         f"+ optimizer step {_ms(profile.optimizer_time)} ms; "
         f"link h2d {hw.h2d_bandwidth / 1e9:.1f} GB/s, d2h {hw.d2h_bandwidth / 1e9:.1f} GB/s ({profile.link_source})",
     ]
+    if profile.compiled is not None:
+        rows = profile.compiled["layers"]
+        saved = {v: sum(r[v]["saved_bytes"] for r in rows) / MiB for v in ("eager", "keep", "full")}
+        lines.append(f"compiled per block ({profile.compiled['backend']}): blocks save {saved['keep']:.2f} MiB "
+                     f"(eager {saved['eager']:.2f}, full recompute {saved['full']:.2f}); step time "
+                     f"{_ms(profile.step_time)} ms (eager {_ms(profile.compiled['eager_step_time'])} ms)")
     return "\n".join(lines)
 
 

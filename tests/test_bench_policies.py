@@ -106,4 +106,4 @@ def test_unknown_policy_is_a_one_line_value_error():
     with pytest.raises(PolicyError, match=r"--policies: 'magic' is not a policy; expected names from none, full"):
         get_policy("magic")
     assert {"none", "full", "hf-gc", "megatron-selective", "op-sac", "sac-ilp", "compile", "ours-milp",
-            "ours-adaptive"} == set(policy_names())
+            "ours-milp+compile", "ours-adaptive"} == set(policy_names())

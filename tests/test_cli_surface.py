@@ -36,6 +36,12 @@ EXPECTED: dict[str, set[str]] = {
 EXPECTED["search"] = EXPECTED["search"] | {"--maximize", "--batch-sizes", "--model", "--model-args"}
 EXPECTED["run"] = EXPECTED["run"] | {"--adaptive-batch-size"}
 EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput"}
+# #14 compile per block (added flag)
+EXPECTED["run"] = EXPECTED["run"] | {"--compile"}
+# #14 profile, bench and demo for compiled models (added flags)
+EXPECTED["profile"] = EXPECTED["profile"] | {"--compile"}
+EXPECTED["bench"] = EXPECTED["bench"] | {"--compile-backend"}
+EXPECTED["demo"] = EXPECTED["demo"] | {"--compile-backend"}
 
 
 def _surface() -> dict[str, set[str]]:

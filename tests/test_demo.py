@@ -11,8 +11,17 @@ def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
     assert main(["demo", "--model", "llama-tiny", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     results = load_results(out / "results.json")
-    runs = {r["policy"]: r for r in results["runs"]}
-    assert set(runs) == {"none", "full", "ours-milp"} and all(r["status"] == "ok" for r in runs.values())
+    runs = {r["policy"]: r for r in results["runs"] if not r.get("match")}
+    assert set(runs) == {"none", "full", "compile", "ours-milp", "ours-milp+compile"}
+    assert all(r["status"] == "ok" for r in runs.values())
+    matched = {r["match"]: r for r in results["runs"] if r.get("match")}
+    # ours at full recompute's measured memory (searched at full's predicted peak), and at compile's
+    assert set(matched) == {"full", f"compile@{runs['compile']['budget']:g}"}
+    at_full = matched["full"]
+    assert at_full["status"] == "ok" and at_full["budget_bytes"] == runs["full"]["predicted_peak_bytes"]
+    assert f"ours at full recompute's memory: peak {at_full['peak_bytes'] / 2**20:.1f} vs" in text
+    assert "ours + compile (aot_eager) at compile's memory:" in text
+    assert runs["compile"]["info"]["backend"] == runs["ours-milp+compile"]["info"]["backend"] == "aot_eager"
     ours, none, full = runs["ours-milp"], runs["none"], runs["full"]
     # the budget forces a trade-off: below keeping everything, above full recompute (predicted)
     assert full["predicted_peak_bytes"] < ours["budget_bytes"] < none["predicted_peak_bytes"]

@@ -13,12 +13,13 @@ __all__ = ["Applied", "Policy", "POLICIES", "get_policy", "policy_names", "layer
 
 def _registry() -> dict[str, Policy]:
     from ._policy_eager import FullRecompute, HFGradientCheckpointing, MegatronSelective, NoCheckpointing, OpLevelSAC
+    from ._policy_compiled import MilpCompiledPolicy
     from ._policy_ours import AdaptivePolicy, MilpPolicy
     from ._policy_torch import CompileBudget, SacIlp
 
     out: dict[str, Policy] = {}
     for cls in (NoCheckpointing, FullRecompute, HFGradientCheckpointing, MegatronSelective, OpLevelSAC, SacIlp,
-                CompileBudget, MilpPolicy, AdaptivePolicy):
+                CompileBudget, MilpPolicy, MilpCompiledPolicy, AdaptivePolicy):
         out[cls.name] = cls()
     return out
 

@@ -54,6 +54,12 @@ class Policy:
     """One of adaptive-mem's own policies."""
     predict_solver: str | None = None
     """The search solver whose plan describes this policy (for predicted peak/time), if any."""
+    compiled_profile = False
+    """Plans on the profile of the model compiled per block (``profiler.profile_compiled``)."""
+
+    def label_for(self, backend: str) -> str:
+        """The label of a run whose ``torch.compile`` backend is ``backend`` (for policies that compile)."""
+        return self.label
 
     def unavailable(self, spec: str) -> str | None:
         """Why this policy cannot run on ``spec`` (None: it can)."""

@@ -60,6 +60,8 @@ class PrepareContext:
     out: Path
     """Bench output directory; plans go to ``out/plans``."""
     model: StepModel = field(init=False)
+    compiled: "PrepareContext | None" = None
+    """The same on the profile of the model compiled per block (for policies with ``compiled_profile``)."""
 
     def __post_init__(self) -> None:
         self.model = StepModel.build(self.profile)

@@ -42,8 +42,9 @@ def _find(results: dict[str, Any], policy: str) -> dict[str, Any] | None:
     return next((r for r in _ok(results) if r["policy"] == policy and r["budget"] is None), None)
 
 
-def compare(results: dict[str, Any], *, ours: str = "ours-milp") -> list[dict[str, Any]]:
-    """For each eager competitor run: our fastest run at equal or lower measured peak, and the verdict.
+def compare(results: dict[str, Any], *, ours: str = "ours-milp", against: str | None = None) -> list[dict[str, Any]]:
+    """For each eager competitor run (``against``: each run of that policy): our fastest run at equal or lower
+    measured peak, and the verdict.
 
     ``verdict``: ``pass`` (ours no slower beyond TIME_TOLERANCE), ``fail``, or ``no-match`` (every run
     of ours used more memory than the competitor; nothing to compare at equal memory).
@@ -51,7 +52,9 @@ def compare(results: dict[str, Any], *, ours: str = "ours-milp") -> list[dict[st
     mine = [r for r in _ok(results) if r["policy"] == ours]
     out = []
     for c in _ok(results):
-        if not c.get("eager") or c["policy"] == "none" or c.get("ours"):
+        if against is not None and c["policy"] != against:
+            continue
+        if against is None and (not c.get("eager") or c["policy"] == "none" or c.get("ours")):
             continue
         fits = [r for r in mine if r["peak_bytes"] <= c["peak_bytes"]]
         if not fits:
@@ -127,6 +130,25 @@ def _comparison(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _compiled_comparison(results: dict[str, Any]) -> list[str]:
+    rows = compare(results, ours="ours-milp+compile", against="compile")
+    if not rows:
+        return []
+    lines = ["", "## Ours + compile against compile alone", "",
+             "For each `compile` run, our fastest `ours-milp+compile` run whose measured peak is equal or lower "
+             "(budget `= compile@F`: the plan searched for that run's measured peak).", "",
+             "| compile budget | its peak (MiB) | its step (s) | ours at budget | our peak (MiB) | our step (s) | "
+             "ours / its | verdict |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        theirs = f"| {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} |"
+        if r["verdict"] == "no-match":
+            lines.append(f"{theirs} - | - | - | - | no run of ours at <= its memory |")
+            continue
+        lines.append(f"{theirs} {r['ours_budget_label']} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
+                     f"{r['ratio']:.3f} | {r['verdict']} |")
+    return lines
+
+
 def _compile(results: dict[str, Any]) -> list[str]:
     rows = compile_landing(results)
     if not rows:
@@ -151,7 +173,7 @@ def _detail(r: dict[str, Any]) -> str | None:
                 f"no optimizer state); estimators + MILP took {info.get('solve_seconds', 0):.1f} s")
     if r["policy"] == "ours-adaptive" and "adaptive_summary" in info:
         return f"{info['adaptive_summary']} ({warm.get('warmup_steps', '?')} warm-up steps before measuring)"
-    if r["policy"] == "compile" and info.get("backend"):
+    if r["policy"] in ("compile", "ours-milp+compile") and info.get("backend"):
         return f"backend {info['backend']}; first (compiling) step took {warm.get('warmup_times', ['?'])[0]} s" \
             if warm.get("warmup_times") else f"backend {info['backend']}"
     return None
@@ -252,6 +274,7 @@ def render_report(results: dict[str, Any]) -> str:
         lines += _runs_table(results)
         lines += ["", "## Our plan against the eager competitors", ""]
         lines += _comparison(results)
+        lines += _compiled_comparison(results)
         lines += _compile(results)
         figures = [(k, plots[k]) for k in ("pareto", "plan_layers", "timeline") if k in plots]
         if figures:

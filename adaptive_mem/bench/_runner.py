@@ -9,6 +9,8 @@ every competitor is compared with a plan of ours searched for its own memory. Th
 the simulator's terms: the competitor's predicted peak when it is a plan the simulator knows
 (full, megatron-selective, hf-gc), else its measured peak scaled by the simulator's median
 predicted/measured ratio on those competitors. Those rows then join the interleaved repeats.
+Likewise ``ours-milp+compile`` (planned on the profile of the model compiled per block) is searched and
+run at each ``compile`` row's measured peak.
 """
 
 from __future__ import annotations
@@ -71,6 +73,8 @@ class BenchConfig:
     """Also run ``ours-milp`` at each eager competitor's measured peak (needs ``ours-milp`` in policies)."""
     command: str = ""
     """The command line, recorded in results.json."""
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of the ``compile`` and ``ours-milp+compile`` runs (``inductor``, ``aot_eager``)."""
 
 
 def _machine() -> dict[str, Any]:
@@ -103,7 +107,8 @@ def _spawn(job: dict[str, Any], workdir: Path, timeout: float) -> dict[str, Any]
 def _job(config: BenchConfig, name: str, budget: float | None, prepared: dict[str, Any]) -> dict[str, Any]:
     return {"spec": config.spec, "model_args": config.model_args, "batch_size": config.batch_size,
             "seq_len": config.seq_len, "seed": config.seed, "steps": config.steps, "warmup": config.warmup,
-            "threads": config.threads, "policy": name, "budget": budget, **prepared}
+            "threads": config.threads, "policy": name, "budget": budget, "compile_backend": config.compile_backend,
+            **prepared}
 
 
 def _predicted(row: dict[str, Any], prepared: dict[str, Any]) -> dict[str, Any]:
@@ -113,19 +118,26 @@ def _predicted(row: dict[str, Any], prepared: dict[str, Any]) -> dict[str, Any]:
     return row
 
 
-def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]]) -> list[int]:
+def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], *, compiled: bool = False) -> list[int]:
+    """Rows ours is matched against: the eager competitors, or (``compiled``) the ``compile`` rows."""
+    if compiled:
+        return [k for k, (row, job) in enumerate(rows) if job is not None and row["policy"] == "compile"]
     return [k for k, (row, job) in enumerate(rows)
             if job is not None and row["eager"] and not row["ours"] and row["policy"] != "none"]
 
 
 def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured: list,
-                  competitors: list[int]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
-    """One ``ours-milp`` row per distinct measured peak of the competitors' first runs."""
+                  competitors: list[int], ours: str = "ours-milp",
+                  calibrators: list[int] = ()) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """One ``ours`` row per distinct measured peak of the competitors' first runs; ``calibrators``: further
+    rows whose first runs (with predictions on ``ctx``'s profile) give the predicted/measured ratio."""
     from search import InfeasibleBudgetError
 
-    firsts = [(rows[k][0], measured[k][0]) for k in competitors
-              if measured[k] and measured[k][0].get("status") == "ok"]
-    ratios = [row["predicted_peak_bytes"] / first["peak_bytes"] for row, first in firsts
+    def ok(indices: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        return [(rows[k][0], measured[k][0]) for k in indices if measured[k] and measured[k][0].get("status") == "ok"]
+
+    firsts = ok(competitors)
+    ratios = [row["predicted_peak_bytes"] / first["peak_bytes"] for row, first in firsts + ok(calibrators)
               if row.get("predicted_peak_bytes")]
     calibration = statistics.median(ratios) if ratios else 1.0
     peaks: dict[int, tuple[int, list[str]]] = {}
@@ -134,11 +146,12 @@ def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured
         measured_peak = int(first["peak_bytes"])
         budget = int(row.get("predicted_peak_bytes") or measured_peak * calibration)
         peaks.setdefault(measured_peak, (budget, []))[1].append(label)
-    policy = get_policy("ours-milp")
+    policy = get_policy(ours)
     out = []
     for measured_peak, (budget, names) in sorted(peaks.items()):
         match = ", ".join(names)
-        row = {"policy": policy.name, "label": policy.label, "budget": None, "budget_bytes": budget, "match": match,
+        row = {"policy": policy.name, "label": policy.label_for(config.compile_backend), "budget": None,
+               "budget_bytes": budget, "match": match,
                "match_peak_bytes": measured_peak, "eager": policy.eager, "ours": policy.ours}
         try:
             prepared = ctx.predict("milp", policy.name, budget=None, limit=budget,
@@ -160,7 +173,8 @@ def _rows(config: BenchConfig, ctx: PrepareContext) -> list[tuple[dict[str, Any]
         budgets = config.budgets if policy.budgeted else (None,)
         reason = policy.unavailable(config.spec)
         for budget in budgets:
-            row = {"policy": name, "label": policy.label, "budget": budget, "budget_bytes": ctx.budget_bytes(budget),
+            row = {"policy": name, "label": policy.label_for(config.compile_backend), "budget": budget,
+                   "budget_bytes": ctx.budget_bytes(budget),
                    "eager": policy.eager, "ours": policy.ours}
             if reason is not None:
                 out.append(({**row, "status": "skipped", "error": reason}, None))
@@ -203,11 +217,23 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
             profile = calibrate(bundle, profile)  # Note: [swap compute]
     profile.save(config.out / "profile.json")
     ctx = PrepareContext(profile, config.out)
+    if any(get_policy(name).compiled_profile for name in config.policies):
+        log.info("profiling %s with every block compiled (%s)", config.spec, config.compile_backend)
+        compiled = profiler.profile_compiled(bundle, profile, backend=config.compile_backend)
+        compiled.save(config.out / "profile-compiled.json")
+        ctx.compiled = PrepareContext(compiled, config.out)
     tokens = bundle.batch_size * bundle.seq_len
     rows = _rows(config, ctx)
     measured: list[list[dict[str, Any]]] = [[] for _ in rows]
     match = config.match and "ours-milp" in config.policies
-    first = _competitors(rows) if match else []
+    match_compiled = config.match and "ours-milp+compile" in config.policies
+    eager_first = _competitors(rows) if match else []
+    compiled_first = _competitors(rows, compiled=True) if match_compiled else []
+    # ours + compile's own budget rows run first too: compile rows have no prediction to put the matched
+    # budget in the compiled profile's terms, ours + compile's predicted/measured ratio does
+    compiled_calibrators = [k for k, (row, job) in enumerate(rows)
+                            if match_compiled and job is not None and row["policy"] == "ours-milp+compile"]
+    first = eager_first + compiled_first + compiled_calibrators
     jobs = sum(job is not None for _, job in rows)
     workdir = config.out / "jobs"
     workdir.mkdir(exist_ok=True)
@@ -225,13 +251,16 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
                 bar.update(1)
 
         execute(first)  # the competitors' peaks, for the matched rows
-        if match:
-            extra = _matched_rows(config, ctx, rows, measured, first)
+        if match or match_compiled:
+            extra = _matched_rows(config, ctx, rows, measured, eager_first) if match else []
+            if match_compiled:
+                extra += _matched_rows(config, ctx.compiled, rows, measured, compiled_first, "ours-milp+compile",
+                                       compiled_calibrators)
             rows += extra
             measured += [[] for _ in extra]
             bar.total += config.repeats * sum(job is not None for _, job in extra)
             bar.refresh()
-            log.info("matched rows: ours-milp at %d competitor peaks", len(extra))
+            log.info("matched rows: ours at %d competitor peaks", len(extra))
         done_first = set(first)
         execute([k for r in range(config.repeats) for k, (_, job) in enumerate(rows)
                  if job is not None and not (r == 0 and k in done_first)])
@@ -253,6 +282,7 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
                   "static_bytes": profile.static.total, "base_bytes": model.base,
                   "predicted_unoptimized_peak_bytes": ctx.unoptimized_peak},
         "settings": {"budgets": list(config.budgets), "policies": list(config.policies), "steps": config.steps,
-                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed, "match": match},
+                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed,
+                     "match": match or match_compiled, "compile_backend": config.compile_backend},
         "runs": runs,
     }

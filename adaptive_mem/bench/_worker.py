@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 class EntryScanMemory(DeviceMemory):
     """:class:`DeviceMemory` that counts the tensors alive at entry and lets compiled code run compiled."""
 
+    supports_higher_order_operators = True
+    """A compiled block's checkpoint runs higher-order operators (``run_and_save_rng_state``) at run time: they
+    run inside this handler with the mode off; their allocations are still counted by the C++ allocator."""
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         # Lets torch.compile'd code run as compiled under this mode (dynamo skips frames under other

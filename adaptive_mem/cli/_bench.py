@@ -12,7 +12,8 @@ NAME = "bench"
 HELP = ("run memory policies side by side (ours and PyTorch's own tools), each in its own process, and write "
         "results.json, report.md and PNG plots")
 
-DEFAULT_POLICIES = "none,full,hf-gc,megatron-selective,op-sac,sac-ilp,compile,ours-milp,ours-adaptive"
+DEFAULT_POLICIES = "none,full,hf-gc,megatron-selective,op-sac,sac-ilp,compile,ours-milp,ours-milp+compile,ours-adaptive"
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes per (policy, budget), interleaved; medians are reported (default 1)")
     parser.add_argument("--match", action=argparse.BooleanOptionalAction, default=True,
                         help="also run ours-milp at each eager competitor's measured peak, so every competitor "
-                             "meets a plan of ours at its own memory (default on; needs ours-milp in --policies)")
+                             "meets a plan of ours at its own memory, and ours-milp+compile at each compile run's "
+                             "(default on; needs ours-milp / ours-milp+compile in --policies)")
+    parser.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                        help="torch.compile backend of the compile and ours-milp+compile runs: inductor (default) "
+                             "or aot_eager (the same partitioner, eager kernels: compiles in seconds)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads in each run, the same for all (default 1: stable on a shared machine)")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds one run may take (default 1800)")
@@ -78,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     from adaptive_mem.bench._results import RESULTS_FORMAT, RESULTS_VERSION
 
     budgets = parse_budgets(args.budgets)
+    if args.compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile-backend={args.compile_backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     for name in policies:
         get_policy(name)
@@ -111,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
                          model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
                          steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-                         timeout=args.timeout, match=args.match, command=command)
+                         timeout=args.timeout, match=args.match, command=command,
+                         compile_backend=args.compile_backend)
     if policies and not args.simulate_only:
         results = run_bench(config)
     if throughput is not None:
@@ -139,8 +147,9 @@ def _print_summary(results: dict) -> None:
                   f"step {r['median_step_time']:.4f} s  {r['tokens_per_s']:9.0f} tok/s")
         else:
             print(f"{r['policy'] + budget:>24}  {r['status']}: {r.get('error', '')}")
-    rows = compare(results) if results["runs"] else []
-    if rows:
-        verdicts = [r["verdict"] for r in rows]
-        print(f"ours-milp vs eager competitors at equal or lower memory: {verdicts.count('pass')} pass, "
-              f"{verdicts.count('fail')} fail, {verdicts.count('no-match')} without a matching run")
+    for ours, against, what in (("ours-milp", None, "eager competitors"), ("ours-milp+compile", "compile", "compile")):
+        rows = compare(results, ours=ours, against=against) if results["runs"] else []
+        if rows:
+            verdicts = [r["verdict"] for r in rows]
+            print(f"{ours} vs {what} at equal or lower memory: {verdicts.count('pass')} pass, "
+                  f"{verdicts.count('fail')} fail, {verdicts.count('no-match')} without a matching run")

@@ -2,8 +2,10 @@
 
 Profile ``llama-small`` on this CPU, pick a budget halfway between full recompute and keeping
 everything (so the plan must trade memory for time), search the ``milp`` plan, apply it and
-train, next to no checkpointing and full recompute (each in its own process), then print a
-short summary and write the bench report (``report.md``, ``results.json``, PNGs) to ``--out``.
+train, next to no checkpointing, full recompute, ``torch.compile`` alone and the plan searched on the
+model compiled per block then compiled (each in its own process); ours is also searched and run at full
+recompute's and at compile's measured peaks. Then print a short summary and write the bench report
+(``report.md``, ``results.json``, PNGs) to ``--out``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ HELP = ("profile the default model (llama-small) on this CPU, search a plan unde
         "trade-off, train with it next to no checkpointing and full recompute, print a summary, write the report")
 
 DEFAULT_MODEL = "llama-small"
-POLICIES = ("none", "full", "ours-milp")
+POLICIES = ("none", "full", "compile", "ours-milp", "ours-milp+compile")
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="adaptive-mem-demo", metavar="DIR",
                         help="directory for the demo's files (default ./adaptive-mem-demo)")
     parser.add_argument("--model", default=DEFAULT_MODEL, help=argparse.SUPPRESS)  # tests: a faster model
+    parser.add_argument("--compile-backend", default="aot_eager", metavar="NAME",
+                        help="torch.compile backend of the compiled runs: aot_eager (default: compiles in seconds) "
+                             "or inductor (what a user trains with; minutes of compiling on a busy CPU)")
 
 
 def trade_off_budget(model) -> float:
@@ -57,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from adaptive_mem.bench import BenchConfig, run_bench, write_outputs
     from adaptive_mem.adaptive._calibrate import calibrate
 
+    from ._bench import COMPILE_BACKENDS
+
+    if args.compile_backend not in COMPILE_BACKENDS:
+        raise ValueError(f"--compile-backend={args.compile_backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={args.out!r}: exists and is not a directory")
@@ -77,18 +86,22 @@ def run(args: argparse.Namespace) -> int:
     budget = trade_off_budget(StepModel.build(profile))
     log.info("budget: %.3f of the activation memory (halfway between full recompute and keeping everything)", budget)
     config = BenchConfig(spec=args.model, budgets=(budget,), policies=POLICIES, out=out, steps=5, warmup=1,
-                         threads=1, match=False, command=f"adaptive-mem demo --out {args.out}")
+                         threads=1, match=True, compile_backend=args.compile_backend,
+                         command=f"adaptive-mem demo --out {args.out} --compile-backend {args.compile_backend}")
     results = run_bench(config, profile=profile)
     paths = write_outputs(results, out)
     print()
     print(summary(results, seconds=time.perf_counter() - start))
     print(f"report: {paths['report']}  (results.json, PNG figures and plans/ next to it)")
-    return 0 if all(r["status"] == "ok" for r in results["runs"]) else 1
+    # a matched row no plan of ours reaches is a finding the summary prints, not a failed run
+    return 0 if all(r["status"] == "ok" or (r.get("match") and r["status"] == "infeasible")
+                    for r in results["runs"]) else 1
 
 
 def summary(results: dict, *, seconds: float) -> str:
     """The demo's short summary, from the bench results."""
-    runs = {r["policy"]: r for r in results["runs"]}
+    runs = {r["policy"]: r for r in results["runs"] if not r.get("match")}
+    matched = {r["match"]: r for r in results["runs"] if r.get("match")}
     m = results["model"]
     ours, none, full = runs.get("ours-milp"), runs.get("none"), runs.get("full")
     lines = [f"adaptive-mem demo: {m['spec']} (batch {m['batch_size']} x seq {m['seq_len']}, {m['dtype']}), "
@@ -111,8 +124,35 @@ def summary(results: dict, *, seconds: float) -> str:
         ratio = ours["median_step_time"] / full["median_step_time"]
         lines.append(f"  time vs full recompute: {ours['median_step_time']:.3f} s vs {full['median_step_time']:.3f} s "
                      f"per step ({ratio - 1:+.1%}); full recompute peaks at {full['peak_bytes'] / mib:.1f} MiB")
+    lines += _matched_lines(runs, matched)
     if ours.get("predicted_peak_bytes") is not None:
         lines.append(f"  predicted vs measured: peak {ours['predicted_peak_bytes'] / mib:.1f} vs "
                      f"{ours['peak_bytes'] / mib:.1f} MiB ({ours['predicted_peak_bytes'] / ours['peak_bytes'] - 1:+.1%}), "
                      f"step {ours['predicted_step_time']:.3f} vs {ours['median_step_time']:.3f} s")
     return "\n".join(lines)
+
+
+def _versus(what: str, ours: dict | None, theirs: dict | None, name: str) -> list[str]:
+    if theirs is None or theirs["status"] != "ok":
+        return []
+    if ours is None or ours["status"] != "ok":
+        why = "not run" if ours is None else f"{ours['status']}: {ours.get('error', '')}"
+        return [f"  {what}: {why}"]
+    mib = 2**20
+    ratio = ours["median_step_time"] / theirs["median_step_time"]
+    return [f"  {what}: peak {ours['peak_bytes'] / mib:.1f} vs {theirs['peak_bytes'] / mib:.1f} MiB, step "
+            f"{ours['median_step_time']:.3f} vs {theirs['median_step_time']:.3f} s ({ratio - 1:+.1%} vs {name})"]
+
+
+def _matched_lines(runs: dict, matched: dict) -> list[str]:
+    """Ours at full recompute's measured memory, and compile alone against ours + compile."""
+    lines = _versus("ours at full recompute's memory", matched.get("full"), runs.get("full"), "full recompute")
+    compile_run = runs.get("compile")
+    if compile_run is not None:
+        backend = (compile_run.get("info") or {}).get("backend", "")
+        label = f"compile@{compile_run['budget']:g}"
+        lines += _versus(f"ours + compile ({backend}) at compile's memory", matched.get(label), compile_run,
+                         "compile alone")
+        lines += _versus(f"ours + compile at budget {compile_run['budget']:g}", runs.get("ours-milp+compile"),
+                         compile_run, "compile alone")
+    return lines

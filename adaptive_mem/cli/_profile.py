@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a few plain, swap-every-layer and one-unit-recomputed steps): "
                              "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; and the disk tier's "
                              "bandwidth, hardware.disk_bandwidth; real devices only")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="profile the model with every block compiled by this torch.compile backend (inductor, "
+                             "aot_eager): what each compiled block saves and its times, for keep and full recompute "
+                             "(profile.compiled); plans searched on it are for the model compiled per block")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
 
 
@@ -84,6 +88,13 @@ def run(args: argparse.Namespace) -> int:
     check_hardware(args.hardware, args.device)
     if args.optimizer.lower() not in profiler.OPTIMIZERS:
         raise ValueError(f"--optimizer={args.optimizer!r}: expected one of {', '.join(profiler.OPTIMIZERS)}")
+    if args.compile is not None:
+        from profiler._compiled import check_backend
+
+        check_backend(args.compile)
+        if args.device == "meta":
+            raise ValueError(f"--compile={args.compile!r} with --device meta: expected a real device (compiled "
+                             "blocks are measured)")
     output = Path(args.output) if args.output else None
     if output is not None and not output.parent.exists():
         raise ValueError(f"--output={args.output!r}: directory {str(output.parent)!r} does not exist")
@@ -93,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate and bundle.is_fake:
         raise ValueError(f"--calibrate with --device {args.device}: expected a real device (fake tensors "
                          "have no copies to time)")
-    result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower())
+    result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower(),
+                                   compile=args.compile)
     if args.calibrate:
         from adaptive_mem.adaptive._calibrate import calibrate
 

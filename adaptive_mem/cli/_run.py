@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
     if args.plan is not None and args.config is not None:
         raise ValueError("--plan and --config both given: expected one of them")
     cap = parse_bytes(args.device_memory_cap, flag="--device-memory-cap") if args.device_memory_cap else None
+    if args.compile is not None:
+        from adaptive_mem.runtime._compile_blocks import compile_options
+
+        compile_options(args.compile, key="--compile")
     loaded = None
     batch_size = args.batch_size
     if args.plan is not None:
@@ -117,7 +121,12 @@ def run(args: argparse.Namespace) -> int:
             plan = loaded
             check_inputs(plan, model, bundle.batch(seed=args.seed), {})
         handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store,
-                          host_memory_budget=args.host_memory_budget)
+                          host_memory_budget=args.host_memory_budget, compile=args.compile)
+    elif args.compile is not None:
+        from adaptive_mem.runtime._compile_blocks import compile_blocks
+
+        log.info("no --plan or --config: training the plain model, compiled per block")
+        handle = compile_blocks(model, args.compile, key="--compile")
     else:
         log.info("no --plan or --config: training the plain model")
     on_cpu = bundle.device.type == "cpu"
@@ -173,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
     timed = times[warm:]
     how = "synchronized" if not on_cpu else ("accounted" if accounted_steps >= len(times) else "untracked")
     shown = args.plan or args.config or args.memory_plan or ("adaptive" if args.adaptive_memory_optimization else "none")
+    if args.compile is not None:
+        shown += f"  compile: {args.compile} (per block)"
     print(f"model: {bundle.spec}  batch: {bundle.batch_size}x{bundle.seq_len}  dtype: {str(bundle.dtype)[6:]}  "
           f"plan: {shown}")
     adaptive_batch = getattr(handle, "batch", None)

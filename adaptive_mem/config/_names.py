@@ -204,6 +204,8 @@ def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.
                     state[key] = type(v)((n, None if b is None else leaf(b, False)) for n, b in v.items())
                 elif key == "_modules":
                     state[key] = type(v)((n, None if m is None else copy(m)) for n, m in v.items())
+                elif key == "_compiled_call_impl":  # module.compile()'s, bound to the original: the clone runs eager
+                    state[key] = None
                 elif key == "forward":
                     forward = rebind(v, module, new)
                     if forward is not None:

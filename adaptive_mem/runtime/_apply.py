@@ -39,6 +39,7 @@ class OptimizeHandle:
         self._summary = summary if summary is not None else summarize(plan, res)
         self._executor: Executor | None = executor
         self._check: Any = None
+        self.compiled: Any = None  # the CompiledLayers of optimize(compile=...), made plain again by remove()
 
     @property
     def swap_stats(self) -> SwapStats | None:
@@ -70,6 +71,9 @@ class OptimizeHandle:
             ref = _APPLIED.get(self.model)
             if ref is not None and ref() is self:
                 del _APPLIED[self.model]
+        if self.compiled is not None:
+            self.compiled.remove()
+            self.compiled = None
 
     def __enter__(self) -> "OptimizeHandle":
         return self

@@ -31,10 +31,12 @@ class CopyGuard:
     old)`` of each instance forward set) touch; both lists are the owner's, read when installed and when
     copied."""
 
-    def __init__(self, root: nn.Module, *, handles: list[Any], forwards: list[tuple[nn.Module, bool, Any]]) -> None:
+    def __init__(self, root: nn.Module, *, handles: list[Any], forwards: list[tuple[nn.Module, bool, Any]],
+                 attrs: list[tuple[nn.Module, str, bool, Any, Any]] | None = None) -> None:
         self.root = root
         self.handles = handles
         self.forwards = forwards
+        self.attrs = attrs if attrs is not None else []  # (module, name, had, old, new) of other attributes set
         self._guarded: dict[int, tuple[nn.Module, dict[str, Any]]] = {}
         self._owned: dict[int, set[int]] = {}  # id(hook dict) -> ids of the owner's hooks in it
         self._announced = False
@@ -47,6 +49,7 @@ class CopyGuard:
                 if hooks is not None:
                     self._owned.setdefault(id(hooks), set()).add(handle.id)
         touched = {id(m): m for m, _, _ in self.forwards}
+        touched.update((id(m), m) for m, *_ in self.attrs)
         if self._owned:
             for module in self.root.modules():
                 if any(id(v) in self._owned for v in module.__dict__.values()):
@@ -107,6 +110,12 @@ class CopyGuard:
                     state["forward"] = old
                 else:
                     state.pop("forward", None)
+        for owner, name, had, old, _ in self.attrs:
+            if owner is module:
+                if had:
+                    state[name] = old
+                else:
+                    state.pop(name, None)
         for key, value in list(state.items()):
             ids = self._owned.get(id(value))
             if ids:

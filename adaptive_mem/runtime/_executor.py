@@ -11,7 +11,8 @@ What gets installed, and only when the plan needs it (an all-keep plan installs 
 * prefetch triggers are tensor hooks on each layer's output (backward
   begins that layer) and on the model output (backward begins);
 * with swaps, the model's forward runs outside dynamo (an instance ``forward``;
-  Note: [compile honoured] in ``_op_level.py``).
+  Note: [compile honoured] in ``_op_level.py``); compiled blocks get a wrapper around their
+  compiled call that keeps them compiled (Note: [swap around compiled blocks] in ``_compiled_swap.py``).
 
 :meth:`Executor.remove` deletes the instance forwards and every hook handle.
 
@@ -48,9 +49,10 @@ from profiler._units import UnitNamer
 from search._plan import Action, Plan
 
 from ._accounting import current_accounting
+from ._compiled_swap import CompiledBlocks
 from ._copy_guard import CopyGuard
 from ._layer_cache import cache_snapshot, has_cache, replays_on_snapshot
-from ._op_level import OpLevelPaths, SacLayer, outside_dynamo
+from ._op_level import OpLevelPaths, SacLayer, eager_only, outside_dynamo
 from ._resolve import LayerMode, Resolution
 from ._sac_policy import OpCounter
 from ._swap_engine import SwapEngine
@@ -149,7 +151,8 @@ class Executor(OpLevelPaths):
         self._split_groups: set[int] = set()
         self._checked_groups: set[int] = set()
         self._sac: dict[int, SacLayer] = {}
-        self._copies = CopyGuard(model, handles=self._handles, forwards=self._forwards)
+        self._blocks = CompiledBlocks(self)  # Note: [swap around compiled blocks]
+        self._copies = CopyGuard(model, handles=self._handles, forwards=self._forwards, attrs=self._blocks.attrs)
         self._compile_warned = False
         self._cache_warned: set[str] = set()
         self.engine: SwapEngine | None = None
@@ -173,32 +176,39 @@ class Executor(OpLevelPaths):
                 self._sac[i] = SacLayer(i, OpCounter(self.namer))
                 self._set_forward(i, self._selective(i))
         needs_names = res.swap_outside_sac or bool(self._sac)
+        owner = {id(m): i for i, layer in enumerate(self.layers) for m in layer.modules()}
         if needs_names:
             roots = [self.model] if res.swap_outside_sac else [self.layers[i] for i in self._sac]
             seen: set[int] = set()
-            enter, leave = outside_dynamo(self._enter), outside_dynamo(self._exit)  # Note: [compile honoured]
+            enter, leave = eager_only(self._enter), eager_only(self._exit)  # Note: [compile honoured]
             for root in roots:
                 for module in root.modules():
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    self._handles.append(module.register_forward_pre_hook(enter))
-                    self._handles.append(module.register_forward_hook(leave, always_call=True))
+                    for handle in (module.register_forward_pre_hook(enter),
+                                   module.register_forward_hook(leave, always_call=True)):
+                        self._handles.append(handle)
+                        self._blocks.track(owner.get(id(module)), handle)
         if self.engine is not None:
             model = self.model
             self._handles.append(model.register_forward_pre_hook(outside_dynamo(self._root_pre)))
             self._handles.append(model.register_forward_hook(outside_dynamo(self._root_post), always_call=True))
             for i, layer in enumerate(self.layers):
                 pre, post = (outside_dynamo(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
-                self._handles.append(layer.register_forward_pre_hook(pre))
-                self._handles.append(layer.register_forward_hook(post, always_call=True))
+                for handle in (layer.register_forward_pre_hook(pre),
+                               layer.register_forward_hook(post, always_call=True)):
+                    self._handles.append(handle)
+                    self._blocks.track(i, handle, on_layer=True)
             had = "forward" in model.__dict__
             self._forwards.append((model, had, model.__dict__.get("forward")))
             model.forward = outside_dynamo(model.__dict__["forward"] if had else type(model).forward.__get__(model))
         if self.engine is not None or self._sac:
-            self._handles.append(self.model.register_forward_pre_hook(outside_dynamo(self._watch_compile)))
+            self._handles.append(self.model.register_forward_pre_hook(eager_only(self._watch_compile)))
             self._check_compile()
         self._copies.install()
+        if self.engine is not None:
+            self._blocks.sync()
 
     def own(self, handle: Any) -> None:
         """Take a hook handle registered on the model for this plan: removed and left out of copies with the rest."""
@@ -206,6 +216,7 @@ class Executor(OpLevelPaths):
 
     def remove(self) -> None:
         self._copies.remove()
+        self._blocks.remove()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -345,6 +356,8 @@ class Executor(OpLevelPaths):
             self.engine.begin_forward()
             self._producer.clear()
             self._last_layer = None
+            self._blocks.sync()
+            self._check_compile(in_forward=True)  # also under a whole-model compile, where _watch_compile is skipped
         self._push()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:

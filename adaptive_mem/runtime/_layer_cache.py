@@ -24,7 +24,12 @@ __all__ = ["cache_snapshot", "has_cache", "replays_on_snapshot"]
 
 log = logging.getLogger(__name__)
 
+_PLAIN = (bool, int, float, str, type(None), tuple, list, dict)
+
+
 def _is_cache(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor) or type(obj) in _PLAIN:  # no __mro__ walk: dynamo breaks the graph on it
+        return False
     return any(c.__name__ == "Cache" and c.__module__.startswith("transformers") for c in type(obj).__mro__)
 
 

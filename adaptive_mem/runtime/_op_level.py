@@ -14,11 +14,17 @@ Note: [compile honoured]. Dynamo cannot trace these two paths (a dispatch mode a
 saved-tensor hooks; the SAC policy names each op by module), and a compiled frame
 first entered under a non-infra dispatch mode is marked to run eager for good (the
 block stays eager after ``remove()``, with 0 graphs and 0 graph breaks reported).
-So both paths run outside dynamo on purpose: selective-checkpoint forwards and every
-executor hook are ``torch.compiler.disable``d, and while the swap hooks are pushed the
-model's forward is disabled and the stance is ``force_eager``, so compiled blocks run
-eager without being marked. Whole-layer and group recompute stay traceable and keep
-compiled blocks compiled. When compiled blocks meet an eager-only path, one warning per
+So both eager paths run outside dynamo on purpose: the eager selective-checkpoint forward
+and every executor hook are ``torch.compiler.disable``d, and while the swap hooks are pushed
+the model's forward is disabled and the stance is ``force_eager``, so compiled blocks run
+eager without being marked, except those the executor wraps (Note: [swap around compiled blocks]
+in ``_compiled_swap.py``: whole-layer swap and blocks without swaps stay compiled). A selective layer without swap units chooses at call time:
+while dynamo traces it (``torch.compiler.is_compiling()``) it runs a plain checkpoint whose
+``context_fn`` is the compile-mode policy (Note: [compiled SAC names]), and the namer hooks
+are skipped (:func:`eager_only`), so select recompute stays inside the compiled block with
+0 graph breaks; eager, it takes the eager path. Whole-layer and group recompute stay
+traceable too (tests/test_compile_sac.py). When compiled blocks meet an eager-only path
+(swap; a selective layer with swap units), one warning per
 plan application names the blocks and the reason (:meth:`OpLevelPaths._check_compile`,
 at install and at each forward until it has warned; guarded by
 tests/test_compile_honoured.py).
@@ -39,19 +45,24 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from profiler._units import UnitNamer
-from search._plan import Action, Plan
+from search._plan import Action, Plan, matches
 
+from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._resolve import OUTSIDE_BEFORE, Resolution, decide
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
 from ._swap_engine import Packed, SwapEngine
 
-__all__ = ["OpLevelPaths", "SacLayer"]
+__all__ = ["OpLevelPaths", "SacLayer", "eager_only", "outside_dynamo"]
 
 log = logging.getLogger(__name__)
 
-_SWAP_WHY = "saved-tensor hooks and the op tracker (a dispatch mode) of the swap engine are not traceable by dynamo"
-_SAC_WHY = "the selective-checkpoint policy (a dispatch mode naming each op by module) is not traceable by dynamo"
+_WHOLE_SWAP_WHY = ("a whole-model graph hands its saved tensors to autograd only at the end of its forward, too late "
+                   "for offloading to lower the peak; compile each block instead (layer.compile() or "
+                   "optimize(compile=...))")
+_OP_SWAP_WHY = "the op that produced a saved tensor is not visible inside a compiled block; swap whole layers instead"
+_SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
+            "mode naming each op by module), which dynamo cannot trace")
 
 
 def _is_compiled(module: nn.Module) -> bool:
@@ -79,6 +90,19 @@ def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Ca
             with torch.compiler.set_stance("force_eager"):
                 return inner(*args, **kwargs)
     return torch.compiler.disable(fn)
+
+
+def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A hook run outside dynamo in eager code and skipped inside a compiled frame, where a call of a
+    ``torch.compiler.disable``d function would break the graph (Note: [compile honoured])."""
+    off = torch.compiler.disable(fn)
+
+    @functools.wraps(fn)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return None
+        return off(*args, **kwargs)
+    return hook
 
 
 def _span(container: str, indices: list[int]) -> str:
@@ -138,6 +162,8 @@ class SacLayer:
         self.actions: dict[str, str] = {}
         self.policy: SacPolicy | None = None
         self.swap_outputs: dict[int, str] = {}
+        self.swaps = False  # some unit of the layer is swapped: the layer runs the eager policy
+        self.compiled: list[CompiledSacPolicy] = []  # policies of the compiled bodies traced (Note: [compiled SAC names])
 
 
 class OpLevelPaths:
@@ -159,6 +185,7 @@ class OpLevelPaths:
     _sac: dict[int, SacLayer]
     _orig: Callable[[int], Callable[..., Any]]
     _compile_warned: bool
+    _blocks: Any  # CompiledBlocks (Note: [swap around compiled blocks])
     _cache_warned: set[str]
 
     # ================================================================== torch.compile (Note: [compile honoured])
@@ -180,9 +207,13 @@ class OpLevelPaths:
         container = self.res.layers.container if self.res.layers is not None else ""
         parts = []
         if self.engine is not None:
-            where = "the whole model" if whole else _span(container, blocks)
-            parts.append(f"swap of {where} runs outside the compiled region: {_SWAP_WHY}")
-        sac = sorted(self._sac) if whole else sorted(set(self._sac) & set(blocks))
+            op_swap = [i for i in blocks if i in self._blocks.op_swap]  # Note: [swap around compiled blocks]
+            if whole:
+                parts.append(f"swap of the whole model runs outside the compiled region: {_WHOLE_SWAP_WHY}")
+            elif op_swap:
+                parts.append(f"op-level swap of {_span(container, op_swap)} runs outside the compiled region: "
+                             f"{_OP_SWAP_WHY}")
+        sac = sorted(i for i, st in self._sac.items() if st.swaps and (whole or i in blocks))
         if sac:
             parts.append(f"select recompute of {_span(container, sac)} runs outside the compiled region: {_SAC_WHY}")
         if parts:
@@ -232,7 +263,32 @@ class OpLevelPaths:
                 self._swap_cache_entries(state, contexts[0])
             contexts.clear()
             return out
-        return outside_dynamo(forward, eager_callees=True)
+        eager = outside_dynamo(forward, eager_callees=True)
+        cover = decide(self.plan, self.namer.paths[id(layer)]).action
+        state.swaps = cover is Action.SWAP or any(
+            d.action is Action.SWAP and matches(self.namer.paths[id(layer)], t) for t, d in self.plan.decisions.items())
+        if state.swaps:  # Note: [compile honoured]: the swapped cache slots need the eager policy
+            return eager
+        inner = getattr(layer, "_orig_mod", None) if hasattr(layer, "dynamo_ctx") else None
+        body = inner if inner is not None else orig
+        actions: dict[str, str] = {}
+
+        def action(unit: str) -> str:
+            if unit not in actions:
+                actions[unit] = decide(self.plan, unit).action.value
+            return actions[unit]
+
+        compiled_ctx = compiled_sac_context(namer=self.namer, layer=layer, action=action, seen=state.compiled)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                return eager(*args, **kwargs)
+            if not torch.is_grad_enabled():
+                return body(*args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(layer, args, kwargs, self._cache_warned)
+            return checkpoint(replays_on_snapshot(body, fresh), *args, use_reentrant=False, context_fn=compiled_ctx,
+                              **kwargs)
+        return layer.dynamo_ctx(traced) if inner is not None else traced
 
     def _prepare_sac(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
                      kwargs: dict) -> None:

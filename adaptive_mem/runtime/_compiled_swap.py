@@ -1,0 +1,186 @@
+"""Compiled blocks under a plan with swaps: each block's call is wrapped outside its compiled frame.
+
+Note: [swap around compiled blocks]. While the swap hooks are pushed the stance is ``force_eager`` and the
+op tracker (a dispatch mode) is active (Note: [compile honoured] in ``_op_level.py``). A compiled block
+(``layer.compile()``: its ``_compiled_call_impl``; torch.compile's ``OptimizedModule`` at the layer's
+path: its ``forward``) gets one wrapper, run outside dynamo, that pops the tracker, restores the default
+stance and so runs the block compiled. Saved-tensor hooks entered around a compiled block see every
+tensor its compiled function saves, at the end of the block's forward. In a block whose layer the
+plan swaps as a whole, the wrapper's hooks offload each of them through the :class:`SwapEngine`
+except parameters, buffers and their views (same storage), and tensors sharing a storage with the
+block's inputs, which go to the model-level hook (offloaded when a swap unit outside produced them).
+The block's outputs are recorded as produced by the swapped layer (saved later, they are offloaded
+as the eager path would). The prefetch trigger is a hook on the block's output registered by the
+wrapper, in eager code.
+The executor's hooks on modules inside a wrapped block are removed (inside the compiled frame each
+would be a graph break; a selective layer without swap units keeps its namer hooks, skipped while
+compiling). A block holding op-level swaps, or a selective layer with swap units, stays eager: the
+op that produced a saved tensor is not visible inside a compiled block. Guarded by
+tests/test_compile_swap.py and tests/test_compile_honoured.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
+from torch.utils._pytree import tree_flatten
+
+from search._plan import Action
+
+from ._resolve import LayerMode, decide
+
+__all__ = ["CompiledBlocks", "is_optimized_module"]
+
+log = logging.getLogger(__name__)
+
+_MARK = "_adaptive_mem_block"
+
+
+def is_optimized_module(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
+
+
+class CompiledBlocks:
+    """The compiled-block wrappers of one executor (Note: [swap around compiled blocks])."""
+
+    def __init__(self, executor: Any) -> None:  # the Executor (its module imports this one)
+        self.ex = executor
+        self.handles: dict[int, list[Any]] = {}
+        self.layer_hooks: dict[int, list[Any]] = {}  # the executor's hooks on the layer module itself
+        self.attrs: list[tuple[nn.Module, str, bool, Any, Any]] = []  # (module, name, had, old, wrapper)
+        self.whole_swap = self._whole_swap_layers()
+        self.op_swap = [i for i, m in enumerate(executor.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap]
+        """Layers holding op-level swaps: they stay eager when compiled."""
+        self._warned = False
+
+    def _whole_swap_layers(self) -> dict[int, int]:
+        """Layers the plan swaps as a whole -> their backward prefetch."""
+        ex, out = self.ex, {}
+        for i, mode in enumerate(ex.res.modes):
+            if mode is not LayerMode.SWAP:
+                continue
+            path = ex.res.layers.layer_path(i)
+            cover = decide(ex.plan, path)
+            inner = [d for t, d in ex.plan.decisions.items() if t.startswith(path + ".")]
+            if cover.action is Action.SWAP and all(
+                    d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
+                out[i] = cover.backward_prefetch
+        return out
+
+    def track(self, layer: int | None, handle: Any, *, on_layer: bool = False) -> None:
+        if layer is not None:
+            self.handles.setdefault(layer, []).append(handle)
+            if on_layer:
+                self.layer_hooks.setdefault(layer, []).append(handle)
+
+    def _target(self, i: int) -> tuple[nn.Module, str] | None:
+        ex = self.ex
+        current = ex.model.get_submodule(ex.res.layers.layer_path(i))
+        for module in (current, ex.layers[i]):
+            if is_optimized_module(module):
+                return module, "forward"
+        for module in (ex.layers[i], current):
+            if getattr(module, "_compiled_call_impl", None) is not None:
+                return module, "_compiled_call_impl"
+        return None
+
+    def sync(self) -> None:
+        """Wrap the blocks compiled since the last call (at each planned forward; outside dynamo)."""
+        ex = self.ex
+        if ex.res.layers is None:
+            return
+        changed = False
+        for i in range(ex.num_layers):
+            sac = ex._sac.get(i)
+            if i in self.op_swap or (sac is not None and getattr(sac, "swaps", True)):
+                continue  # eager paths (Note: [compile honoured])
+            target = self._target(i)
+            if target is None:
+                continue
+            module, name = target
+            old = module.__dict__.get(name)
+            if getattr(old, _MARK, False):
+                continue
+            # a selective layer keeps its namer hooks (skipped while compiling, Note: [compiled SAC names])
+            for handle in self.handles.pop(i, ()) if sac is None else self.layer_hooks.get(i, ()):
+                handle.remove()
+            wrapper = self._wrap(i, old if old is not None else getattr(module, name))
+            self.attrs.append((module, name, name in module.__dict__, old, wrapper))
+            module.__dict__[name] = wrapper
+            changed = True
+        if changed:
+            ex._copies.install()
+
+    def remove(self) -> None:
+        for module, name, had, old, wrapper in reversed(self.attrs):
+            if module.__dict__.get(name) is wrapper:
+                if had:
+                    module.__dict__[name] = old
+                else:
+                    del module.__dict__[name]
+        self.attrs.clear()
+        self.handles.clear()
+
+    def _wrap(self, i: int, call: Callable[..., Any]) -> Callable[..., Any]:
+        ex = self.ex
+        prefetch = self.whole_swap.get(i)
+
+        def block(*args: Any, **kwargs: Any) -> Any:
+            entry = ex._pushed[-1] if ex._pushed else None
+            if entry is None:  # no grad, or called outside the planned model's forward
+                return call(*args, **kwargs)
+            ex._last_layer = i
+            with contextlib.ExitStack() as stack:
+                tracker = entry[-1] if len(entry) > 2 else None
+                if tracker is not None and _get_current_dispatch_mode() is not tracker:
+                    self._warn_mode(i)
+                    ex._quiet_layer = True  # the namer's hooks inside the block are gone
+                else:
+                    if tracker is not None:
+                        stack.enter_context(_pop_mode_temporarily())
+                    stack.enter_context(torch.compiler.set_stance("default"))
+                if prefetch is not None:
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
+                        self._packer(i, prefetch, args, kwargs), ex._unpack))
+                out = call(*args, **kwargs)
+            ex._quiet_layer = False
+            if prefetch is not None:  # its outputs are the swapped layer's, as the op tracker records them eagerly
+                label = ex.res.layers.layer_path(i)
+                for t in tree_flatten(out)[0]:
+                    if isinstance(t, torch.Tensor):
+                        st = t.untyped_storage()
+                        ex._producer[st._cdata] = (weakref.ref(st), label, i, prefetch)
+            ex._on_grad_of(out, i)
+            return out
+
+        setattr(block, _MARK, True)
+        return torch.compiler.disable(block)
+
+    def _packer(self, i: int, prefetch: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], Any]:
+        ex = self.ex
+        layer = ex.layers[i]
+        label = ex.res.layers.layer_path(i)
+        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        frozen = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
+
+        def pack(t: torch.Tensor) -> Any:
+            key = t.untyped_storage()._cdata
+            if key in inputs:
+                return ex._pack(t)
+            if isinstance(t, nn.Parameter) or key in frozen:
+                return t
+            return ex.engine.offload(t, label=label, layer=i, prefetch=prefetch)
+        return pack
+
+    def _warn_mode(self, i: int) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning("adaptive_mem: compiled block %s runs eager: a dispatch mode entered inside the model's "
+                        "forward sits above the swap engine's op tracker", self.ex.res.layers.layer_path(i))

@@ -1,0 +1,248 @@
+"""What each block saves and costs when it runs compiled (``torch.compile`` per block, torchtitan's layout).
+
+The recorder sees eager aten ops; a compiled block saves what its partitioner decided. Each block's call
+is wrapped (an instance ``forward``, taken off afterwards) so that a
+``torch.autograd.graph.saved_tensors_hooks`` context is entered around the compiled call: its pack hook
+sees every tensor the compiled function saves for backward (the hook runs outside the traced region, so
+the block compiles with 0 graph breaks). Parameters, buffers and their views are static and not counted;
+each storage is counted once per block call. Gradient hooks on the block's input and output time its
+backward; wall time around the call times its forward.
+
+Three variants of every block, interleaved step by step: ``eager``, ``keep`` (compiled) and ``full``
+(compiled around ``torch.utils.checkpoint``: full recompute). :func:`apply_compiled` rewrites a profile's
+per-op figures into the compiled model's (Note: [compiled profile]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_compiled", "measure_compiled"]
+
+log = logging.getLogger(__name__)
+
+VARIANTS = ("eager", "keep", "full")
+_FIGURES = ("saved_bytes", "fwd_time", "bwd_time")
+
+
+class CompileBackendError(ValueError):
+    """``compile=`` names no ``torch.compile`` backend, or a profile that cannot be measured compiled."""
+
+
+def check_backend(backend: Any) -> str:
+    """``backend`` as a ``torch.compile`` backend name; a one-line ValueError otherwise."""
+    import torch._dynamo
+
+    names = sorted(torch._dynamo.list_backends(exclude_tags=()))
+    if not isinstance(backend, str) or backend not in names:
+        raise CompileBackendError(f"compile={backend!r}: not a torch.compile backend; expected one of {', '.join(names)}")
+    return backend
+
+
+class _Block:
+    """Per-step figures of one block: saved bytes, forward seconds, gradient arrival times."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[tuple[int, float, float]]] = {v: [] for v in VARIANTS}
+        self.saved = 0
+        self.fwd = 0.0
+        self.t_out: list[float] = []
+        self.t_in: list[float] = []
+
+    def close(self, variant: str) -> None:
+        bwd = self.t_in[-1] - self.t_out[-1] if self.t_in and self.t_out else 0.0
+        self.rows[variant].append((self.saved, self.fwd, max(0.0, bwd)))
+        self.t_in.clear()
+        self.t_out.clear()
+
+    def medians(self, variant: str) -> dict[str, Any]:
+        rows = self.rows[variant]
+        return {"saved_bytes": int(statistics.median(r[0] for r in rows)),
+                "fwd_time": float(statistics.median(r[1] for r in rows)),
+                "bwd_time": float(statistics.median(r[2] for r in rows))}
+
+
+def _stamp(times: list[float], sync: Callable[[], None]) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        sync()
+        times.append(time.perf_counter())
+    return hook
+
+
+def _probe(forwards: dict[str, Callable], block: _Block, state: dict[str, str], static: set[int],
+           sync: Callable[[], None]) -> Callable:
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in static:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    seen: dict[int, int] = {}
+
+    @functools.wraps(forwards["eager"])
+    def run(*args: Any, **kwargs: Any) -> Any:
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        if first is not None and first.requires_grad:
+            first.register_hook(_stamp(block.t_in, sync))
+        seen.clear()
+        sync()
+        start = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = forwards[state["variant"]](*args, **kwargs)
+        sync()
+        block.fwd = time.perf_counter() - start
+        block.saved = sum(seen.values())
+        head = out if isinstance(out, torch.Tensor) else out[0] if isinstance(out, (tuple, list)) and out else None
+        if isinstance(head, torch.Tensor) and head.requires_grad:
+            head.register_hook(_stamp(block.t_out, sync))
+        return out
+    return run
+
+
+def _variants(forward: Callable, backend: str) -> dict[str, Callable]:
+    from torch.utils.checkpoint import checkpoint
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return {"eager": forward, "keep": torch.compile(forward, backend=backend),
+            "full": torch.compile(full, backend=backend)}
+
+
+def measure_compiled(model: torch.nn.Module, loss: Callable[[], torch.Tensor], layers: list[torch.nn.Module], *,
+                     backend: str, device: torch.device, repeat: int = 3) -> dict[str, Any]:
+    """Per block and variant, the medians over ``repeat`` steps of saved bytes, forward and backward seconds;
+    and the median step seconds (forward + backward) with every block compiled (``keep``).
+
+    The blocks' ``forward`` are restored (and ``.grad`` cleared) before returning."""
+    accel = device.type not in ("cpu", "meta")
+    sync = torch.accelerator.synchronize if accel else (lambda: None)  # unverified on GPU
+    static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    state = {"variant": "eager"}
+    blocks = [_Block() for _ in layers]
+    saved_attrs = [layer.__dict__.get("forward") for layer in layers]
+    step_times: list[float] = []
+
+    def step(variant: str) -> float:
+        state["variant"] = variant
+        for p in model.parameters():
+            p.grad = None
+        sync()
+        start = time.perf_counter()
+        loss().backward()
+        sync()
+        seconds = time.perf_counter() - start
+        for block in blocks:
+            block.close(variant)
+        return seconds
+
+    try:
+        for layer, block in zip(layers, blocks):
+            layer.forward = _probe(_variants(layer.forward, backend), block, state, static, sync)
+        for variant in VARIANTS[1:]:  # compiles; not counted
+            step(variant)
+        for block in blocks:
+            block.rows = {v: [] for v in VARIANTS}
+        for _ in range(max(1, repeat)):
+            for variant in VARIANTS:
+                seconds = step(variant)
+                if variant == "keep":
+                    step_times.append(seconds)
+    finally:
+        for layer, attr in zip(layers, saved_attrs):
+            if attr is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = attr
+        for p in model.parameters():
+            p.grad = None
+    return {"backend": backend, "layout": "per-block", "step_time": float(statistics.median(step_times)),
+            "layers": [{"layer": i, **{v: b.medians(v) for v in VARIANTS}} for i, b in enumerate(blocks)]}
+
+
+def _rescale(ops: list, indices: list[int], key: str, target: float, integer: bool) -> None:
+    """Scale ``ops[i].key`` over ``indices`` so that they sum to ``target`` (integers: floor, remainder on the largest)."""
+    if not indices:
+        return
+    current = sum(getattr(ops[i], key) for i in indices)
+    target = max(0, target)
+    if current <= 0:
+        value = getattr(ops[indices[0]], key) + target
+        ops[indices[0]] = dataclasses.replace(ops[indices[0]], **{key: int(value) if integer else float(value)})
+        return
+    factor = target / current
+    for i in indices:
+        value = getattr(ops[i], key) * factor
+        ops[i] = dataclasses.replace(ops[i], **{key: int(value) if integer else float(value)})
+    if integer:
+        largest = max(indices, key=lambda i: getattr(ops[i], key))
+        rest = int(target) - sum(getattr(ops[i], key) for i in indices)
+        ops[largest] = dataclasses.replace(ops[largest], **{key: getattr(ops[largest], key) + rest})
+
+
+def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
+    """``profile`` (eager, recorded) rewritten to the per-block compiled model ``figures`` describe.
+
+    Note: [compiled profile] per block, the units whose outputs stay inside the block get the compiled
+    block's saved bytes (eager saved bytes of those units + compiled ``keep`` - eager, both measured by the
+    same pack hook), spread over their ops in proportion; the block's output (read by the next block, an
+    input the partitioner cannot drop) keeps its figure. Op forward and backward times are scaled so the
+    block sums to the compiled block's measured times. ``peak_memory`` moves by the change in saved bytes
+    (the transient of the step is the eager one), ``step_time`` is the compiled step's. The measured
+    figures stay under ``compiled``. Guarded by ``tests/test_profile_compiled.py``.
+    """
+    ops = list(profile.ops)
+    layer_of = {u.name: u.layer for u in profile.units}
+    delta_total = 0
+    for row in figures["layers"]:
+        i = row["layer"]
+        units = [u for u in profile.units if u.layer == i]
+        internal = [oi for u in units if all(layer_of.get(c) == i for c in u.consumers) for oi in u.ops]
+        every = [oi for u in units for oi in u.ops]
+        delta = row["keep"]["saved_bytes"] - row["eager"]["saved_bytes"]
+        before = sum(ops[oi].saved_bytes for oi in internal)
+        _rescale(ops, internal, "saved_bytes", before + delta, integer=True)
+        delta_total += sum(ops[oi].saved_bytes for oi in internal) - before
+        _rescale(ops, every, "fwd_time", row["keep"]["fwd_time"], integer=False)
+        _rescale(ops, every, "bwd_time", row["keep"]["bwd_time"], integer=False)
+    units = [dataclasses.replace(u, saved_bytes=sum(ops[oi].saved_bytes for oi in u.ops),
+                                 fwd_time=sum(ops[oi].fwd_time for oi in u.ops),
+                                 bwd_time=sum(ops[oi].bwd_time for oi in u.ops)) for u in profile.units]
+    compiled = {**figures, "eager_step_time": profile.step_time}
+    return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
+                               step_time=figures["step_time"], compiled=compiled)
+
+
+def check_compiled(value: Any, error: type[ValueError]) -> None:
+    """Validate a profile's ``compiled`` object (None: an eager profile), raising ``error`` with one line."""
+    if value is None:
+        return
+    where = "profile.compiled"
+    if not isinstance(value, dict):
+        raise error(f"{where}={type(value).__name__}: expected an object or null")
+    for key, kind in (("backend", str), ("layout", str), ("step_time", (int, float)),
+                      ("eager_step_time", (int, float)), ("layers", list)):
+        item = value.get(key)
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise error(f"{where}.{key}={item!r:.40}: expected {getattr(kind, '__name__', 'a number')}")
+    numbers = [(f"{where}.{k}", value[k]) for k in ("step_time", "eager_step_time")]
+    for i, row in enumerate(value["layers"]):
+        if not isinstance(row, dict) or row.get("layer") != i:
+            raise error(f"{where}.layers[{i}]={row!r:.40}: expected an object with layer={i}")
+        for variant in VARIANTS:
+            fig = row.get(variant)
+            if not isinstance(fig, dict) or set(fig) != set(_FIGURES):
+                raise error(f"{where}.layers[{i}].{variant}={fig!r:.40}: expected an object with keys "
+                            f"{', '.join(_FIGURES)}")
+            numbers += [(f"{where}.layers[{i}].{variant}.{k}", fig[k]) for k in _FIGURES]
+    for name, number in numbers:
+        if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
+            raise error(f"{name}={number!r}: expected a number, finite and >= 0")
+        if name.endswith("saved_bytes") and not isinstance(number, int):
+            raise error(f"{name}={number!r}: expected int")

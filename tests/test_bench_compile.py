@@ -1,0 +1,65 @@
+"""#14 in the bench: ``compile`` runs inductor by default (``--compile-backend``), ``ours-milp+compile`` (planned on
+the profile of the model compiled per block, applied, blocks compiled) and its rows matched to compile's peaks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adaptive_mem.bench import compare, get_policy, load_results, render_report
+from adaptive_mem.bench._runner import BenchConfig, _job
+from adaptive_mem.cli._main import main
+
+
+def test_labels_name_the_backend_and_inductor_is_the_default():
+    assert "inductor backend" in get_policy("compile").label_for("inductor")
+    assert "aot_eager backend" in get_policy("compile").label_for("aot_eager")
+    assert "(aot_eager)" in get_policy("ours-milp+compile").label_for("aot_eager")
+    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("compile",), out=Path("unused"))
+    assert _job(config, "compile", 1.0, {})["compile_backend"] == "inductor"
+    assert get_policy("ours-milp+compile").compiled_profile and not get_policy("compile").compiled_profile
+
+
+@pytest.fixture(scope="module")
+def bench_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench-compile")
+    code = main(["bench", "--model", "llama-tiny", "--budgets", "1.0", "--policies", "compile,ours-milp+compile",
+                 "--compile-backend", "aot_eager", "--out", str(out), "--steps", "5"])
+    assert code == 0
+    return out
+
+
+def test_ours_with_compile_runs_at_compiles_measured_peak(bench_dir):
+    results = load_results(bench_dir / "results.json")
+    assert results["settings"]["compile_backend"] == "aot_eager"
+    runs = {(r["policy"], r.get("match")): r for r in results["runs"]}
+    compile_run = runs[("compile", None)]
+    ours = runs[("ours-milp+compile", None)]
+    matched = runs[("ours-milp+compile", "compile@1")]
+    assert all(r["status"] == "ok" for r in (compile_run, ours, matched)), [r.get("error") for r in runs.values()]
+    assert compile_run["info"]["backend"] == ours["info"]["backend"] == matched["info"]["backend"] == "aot_eager"
+    assert "aot_eager" in compile_run["label"] and "aot_eager" in matched["label"]
+    # the budget in the compiled profile's terms: compile's measured peak times ours + compile's own
+    # predicted / measured peak ratio (compile rows have no prediction)
+    ratio = ours["predicted_peak_bytes"] / ours["repeats"][0]["peak_bytes"]
+    assert matched["match_peak_bytes"] == compile_run["repeats"][0]["peak_bytes"]
+    assert matched["budget_bytes"] == int(matched["match_peak_bytes"] * ratio) and ratio != 1.0
+    assert matched["predicted_peak_bytes"] <= matched["budget_bytes"]
+    # the plans are searched on the compiled profile, written next to the eager one
+    assert (bench_dir / "profile-compiled.json").exists()
+    assert (bench_dir / "plans" / "ours-milp+compile-match-compile-1.yaml").exists()
+    # same model, weights and first batch: the losses of the compiled runs agree
+    assert matched["repeats"][0]["first_loss"] == pytest.approx(compile_run["repeats"][0]["first_loss"], rel=1e-5)
+    rows = compare(results, ours="ours-milp+compile", against="compile")
+    assert [r["competitor"] for r in rows] == ["compile"]
+    text = (bench_dir / "report.md").read_text()
+    assert text == render_report(results) and "## Ours + compile against compile alone" in text
+
+
+@pytest.mark.parametrize("command", ["bench", "demo"])
+def test_bad_compile_backend_is_one_line_and_exit_2(tmp_path, capsys, command):
+    assert main([command, "--model", "llama-tiny", "--out", str(tmp_path / "o"), "--compile-backend", "tvm"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--compile-backend='tvm': expected one of inductor, aot_eager" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
