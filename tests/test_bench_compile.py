@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_mem.bench import compare, get_policy, load_results, render_report
-from adaptive_mem.bench._runner import BenchConfig, _job
+from adaptive_mem.bench._runner import BenchConfig, _fit_matched, _job
 from adaptive_mem.cli._main import main
 
 
@@ -44,8 +44,10 @@ def test_ours_with_compile_runs_at_compiles_measured_peak(bench_dir):
     # predicted / measured peak ratio (compile rows have no prediction)
     ratio = ours["predicted_peak_bytes"] / ours["repeats"][0]["peak_bytes"]
     assert matched["match_peak_bytes"] == compile_run["repeats"][0]["peak_bytes"]
-    assert matched["budget_bytes"] == int(matched["match_peak_bytes"] * ratio) and ratio != 1.0
+    assert matched["budget_bytes"] <= int(matched["match_peak_bytes"] * ratio) and ratio != 1.0
     assert matched["predicted_peak_bytes"] <= matched["budget_bytes"]
+    # Note: [matched at no more memory]: searched again at a lower budget while over compile's peak
+    assert all(r["peak_bytes"] <= matched["match_peak_bytes"] for r in matched["repeats"])
     # the plans are searched on the compiled profile, written next to the eager one
     assert (bench_dir / "profile-compiled.json").exists()
     assert (bench_dir / "plans" / "ours-milp+compile-match-compile-1.yaml").exists()
@@ -63,3 +65,33 @@ def test_bad_compile_backend_is_one_line_and_exit_2(tmp_path, capsys, command):
     err = capsys.readouterr().err.strip()
     assert "--compile-backend='tvm': expected one of inductor, aot_eager" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
+    """Note: [matched at no more memory], with a fake worker: 110 over a 100 target, then 98."""
+    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
+    peaks = iter([110, 98])
+    asked = []
+
+    class Ctx:
+        def predict(self, solver, name, *, budget, limit, tag):
+            asked.append(limit)
+            return {"predicted_peak_bytes": limit - 5, "plan": f"plans/{tag}.yaml"}
+
+    class Bar:
+        total = 4
+
+        def refresh(self):
+            pass
+
+    row = {"policy": "ours-milp", "match": "full", "match_peak_bytes": 100, "budget_bytes": 102}
+    rows, measured, bar = [(row, {"policy": "ours-milp"})], [[]], Bar()
+
+    def execute(todo):
+        for k in todo:
+            measured[k].append({"status": "ok", "peak_bytes": next(peaks)})
+
+    _fit_matched(0, rows, measured, execute, config, Ctx(), bar)
+    assert asked == [int(102 * 100 / 110) - 1]
+    assert rows[0][0]["budget_bytes"] == asked[0] and rows[0][0]["predicted_peak_bytes"] == asked[0] - 5
+    assert measured == [[{"status": "ok", "peak_bytes": 98}]] and bar.total == 5

@@ -163,6 +163,37 @@ def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured
     return out
 
 
+def _fit_matched(k: int, rows: list, measured: list, execute: Any, config: BenchConfig, ctx: PrepareContext,
+                 bar: Any, *, tries: int = 3) -> None:
+    """Note: [matched at no more memory]. A matched row must hold no more than the competitor's measured peak;
+    the simulator's error (about 2 % on compiled blocks) can put it above. Its first run comes now: over the
+    peak, the plan is searched again at the budget scaled by target / measured and run again (measured peaks
+    are exact and repeat), at most ``tries`` runs; the last one is kept (tests/test_bench_compile.py)."""
+    from search import InfeasibleBudgetError
+
+    row, job = rows[k]
+    for attempt in range(tries):
+        execute([k])
+        result = measured[k][-1]
+        target = row["match_peak_bytes"]
+        if result.get("status") != "ok" or result["peak_bytes"] <= target or attempt == tries - 1:
+            return
+        budget = int(row["budget_bytes"] * target / result["peak_bytes"]) - 1
+        plan_ctx = ctx.compiled if row["policy"] == "ours-milp+compile" else ctx
+        try:
+            prepared = plan_ctx.predict("milp", row["policy"], budget=None, limit=budget,
+                                        tag=f"{row['policy']}-match-{k}-fit{attempt + 1}")
+        except InfeasibleBudgetError:
+            return
+        log.info("%s matched to %s: measured %d B over its %d B; searching again at %d B", row["policy"],
+                 row["match"], result["peak_bytes"] - target, target, budget)
+        row = _predicted({**row, "budget_bytes": budget}, prepared)
+        rows[k] = (row, _job(config, row["policy"], None, prepared))
+        measured[k].clear()
+        bar.total += 1
+        bar.refresh()
+
+
 def _rows(config: BenchConfig, ctx: PrepareContext) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
     """(row, job or None) for every (policy, budget); jobs are None for runs that cannot start."""
     from search import InfeasibleBudgetError
@@ -256,11 +287,16 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
             if match_compiled:
                 extra += _matched_rows(config, ctx.compiled, rows, measured, compiled_first, "ours-milp+compile",
                                        compiled_calibrators)
+            start = len(rows)
             rows += extra
             measured += [[] for _ in extra]
             bar.total += config.repeats * sum(job is not None for _, job in extra)
             bar.refresh()
             log.info("matched rows: ours at %d competitor peaks", len(extra))
+            for k in range(start, len(rows)):
+                if rows[k][1] is not None:
+                    _fit_matched(k, rows, measured, execute, config, ctx, bar)
+                    first.append(k)
         done_first = set(first)
         execute([k for r in range(config.repeats) for k, (_, job) in enumerate(rows)
                  if job is not None and not (r == 0 and k in done_first)])
