@@ -29,7 +29,7 @@ from profiler._units import find_layers
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier
-from adaptive_mem.runtime._swap_engine import SwapEngine
+from adaptive_mem.runtime._swap_engine import SwapEngine, backs_parameter
 
 from ._eviction import EvictionPolicy
 from ._storage import Slot, StorageGroup, SwapState
@@ -184,6 +184,10 @@ class SwapManager:
         if self._path:
             self._path.pop()
 
+    def _current_module(self) -> nn.Module:
+        """The layer running now (FSDP2 registers its gathered parameters on it), else the model."""
+        return self.layers[self._layer] if self._inside and self._layer is not None else self.model
+
     def _position(self) -> int:
         """Layer index of what runs now: -1 before the layers, ``num_layers`` after them."""
         if self._inside and self._layer is not None:
@@ -198,8 +202,8 @@ class SwapManager:
             return ("opaque", inner, outer_unpack)
         st = inner.untyped_storage()
         key = st._cdata
-        if key in self._params or st.nbytes() == 0:
-            return ("opaque", inner, outer_unpack)
+        if key in self._params or st.nbytes() == 0 or backs_parameter(st, self._current_module()):
+            return ("opaque", inner, outer_unpack)  # Note: [parameter storages are never swapped]
         self._seq += 1
         group = self._groups.get(key)
         if group is None or group.storage() is not st or group.record is not None:

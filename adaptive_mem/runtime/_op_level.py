@@ -51,7 +51,7 @@ from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._resolve import OUTSIDE_BEFORE, Resolution, decide
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
-from ._swap_engine import Packed, SwapEngine
+from ._swap_engine import Packed, SwapEngine, backs_parameter
 
 __all__ = ["OpLevelPaths", "SacLayer", "eager_only", "outside_dynamo"]
 
@@ -355,6 +355,9 @@ class OpLevelPaths:
         st = t.untyped_storage()
         info = self._producer.get(st._cdata)
         if info is None or info[0]() is not st:
+            return t
+        owner = self.layers[info[2]] if 0 <= info[2] < self.num_layers else self.model
+        if backs_parameter(st, owner):  # Note: [parameter storages are never swapped] in _swap_engine.py
             return t
         return self.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
 

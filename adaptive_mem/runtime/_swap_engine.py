@@ -38,7 +38,18 @@ from ._copier import Copy, make_copier
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
-__all__ = ["SwapEngine", "SwapStats", "Packed"]
+__all__ = ["SwapEngine", "SwapStats", "Packed", "backs_parameter"]
+
+
+def backs_parameter(storage: torch.UntypedStorage, module: Any) -> bool:
+    """Note: [parameter storages are never swapped]. FSDP2 gathers a layer's parameters into buffers that an op
+    of the layer call writes, so the tracker sees them produced by the layer; autograd then saves views of them
+    (``linear`` saves its weight). FSDP frees those buffers after the layer's forward (``resize_(0)``): an
+    offload copying one would read freed memory. A storage behind any current parameter of ``module`` is kept
+    where it is (tests/test_parallel_exec.py, FSDP2 swap cases)."""
+    key = storage._cdata
+    return any(p.untyped_storage()._cdata == key for p in module.parameters())
+
 
 log = logging.getLogger(__name__)
 
