@@ -37,6 +37,12 @@ EXPECTED["search"] = EXPECTED["search"] | {"--maximize", "--batch-sizes", "--mod
 EXPECTED["run"] = EXPECTED["run"] | {"--adaptive-batch-size"}
 EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput"}
 
+# #15 parallel layouts planned without the ranks (profile and search; search already had the two pipeline flags)
+LAYOUT = {"--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
+          "--sequence-parallel", "--zero", "--micro-batches", "--schedule"}
+EXPECTED["profile"] = EXPECTED["profile"] | LAYOUT
+EXPECTED["search"] = EXPECTED["search"] | LAYOUT
+
 
 def _surface() -> dict[str, set[str]]:
     parser = build_parser()

@@ -162,8 +162,18 @@ def rebind(fn: Any, old: nn.Module, new: nn.Module) -> Callable[..., Any] | None
     return None
 
 
-def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor]
-                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+_LAYOUT_HOOK_MODULES = ("torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style")
+
+
+def _layout_hooks(module: nn.Module, key: str) -> dict[int, Any]:
+    """The forward hooks DTensor's ``distribute_module`` / ``parallelize_module`` styles put on ``module`` (they
+    turn inputs and outputs into DTensors of a layout and close over no module state)."""
+    hooks = module.__dict__.get(key, {})
+    return {k: h for k, h in hooks.items() if getattr(h, "__module__", None) in _LAYOUT_HOOK_MODULES}
+
+
+def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor], *,
+                 layout_hooks: bool = False) -> tuple[nn.Module, dict[int, nn.Module]]:
     """A copy of ``model``'s module tree that shares no tensor, hook or container with it.
 
     Note: [throw-away clone] every trace of a user's model runs on such a copy (tests/test_model_state.py).
@@ -172,7 +182,8 @@ def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.
     executor's), ``fully_shard``'s class and state are dropped, DDP/DataParallel/``torch.compile`` wrappers
     become a plain call of their child under the same name, an instance ``forward`` bound to the module is
     rebound to the copy (:func:`rebind`) and any other (a wrapper closing over the original: the executor's)
-    is dropped.
+    is dropped. With ``layout_hooks`` the tensor-parallel layout hooks are kept (:func:`_layout_hooks`): a clone
+    whose DTensor parameters must meet DTensor inputs (Note: [tensor-parallel trace]).
     Returns the copy and, by ``id`` of each copied module, its original.
     """
     memo: dict[int, Any] = {}
@@ -196,7 +207,9 @@ def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.
             new = object.__new__(_plain_class(module))
             state: dict[str, Any] = {}
             for key, v in module.__dict__.items():
-                if key in _HOOK_DICTS:
+                if key in ("_forward_hooks", "_forward_pre_hooks") and layout_hooks:
+                    state[key] = type(v)(_layout_hooks(module, key))
+                elif key in _HOOK_DICTS:
                     state[key] = type(v)()
                 elif key == "_parameters":
                     state[key] = type(v)((n, None if p is None else leaf(p, True)) for n, p in v.items())

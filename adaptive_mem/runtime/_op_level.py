@@ -44,7 +44,7 @@ from search._plan import Action, Plan
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._resolve import OUTSIDE_BEFORE, Resolution, decide
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
-from ._swap_engine import Packed, SwapEngine
+from ._swap_engine import Packed, SwapEngine, local_shard
 
 __all__ = ["OpLevelPaths", "SacLayer"]
 
@@ -111,7 +111,7 @@ class _Tracker(TorchDispatchMode):
         if info is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
+                    st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
                     ex._producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
         return out
 
@@ -294,7 +294,7 @@ class OpLevelPaths:
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._producer or isinstance(t, nn.Parameter):
             return t
-        st = t.untyped_storage()
+        st = local_shard(t).untyped_storage()
         info = self._producer.get(st._cdata)
         if info is None or info[0]() is not st:
             return t
