@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from profiler._layout import Layout
 from profiler._shard import collective_time
 
+from ._comm_stream import schedule_collectives
+
 __all__ = ["CommTime", "data_parallel_comm"]
 
 
@@ -33,9 +35,13 @@ class CommTime:
 
 
 def _overlapped(comm: float, compute: float, layers: int) -> float:
-    """Exposed seconds of ``comm`` issued in ``layers`` equal buckets beside ``compute``: one bucket at least."""
+    """Exposed seconds of ``comm`` issued in ``layers`` equal buckets beside ``compute`` (equal layers, bucket
+    ``k`` ready when layer ``k`` ends) on the comm stream (Note: [comm stream]): one bucket at least."""
     layers = max(layers, 1)
-    return max(comm - compute * (layers - 1) / layers, comm / layers) if comm > 0 else 0.0
+    if comm <= 0:
+        return 0.0
+    ready = [(f"bucket {k}", compute * (k + 1) / layers) for k in range(layers)]
+    return schedule_collectives(ready, [comm / layers] * layers, compute_end=compute).exposed
 
 
 def data_parallel_comm(layout: Layout, *, gradient_bytes: int, parameter_bytes: int, layers: int,

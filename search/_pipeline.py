@@ -64,14 +64,17 @@ def split_layout(profile: Profile, *, layout: Layout, hardware: HardwareSpec | N
     whole = StepModel.build(profile, hardware=hardware)
     counts, ranges = in_flight(layout), chunk_layers(n, layout)
     p, v = layout.pipeline_stages, layout.virtual_pipeline_stages
+    # Note: [accumulated gradients] a stage's gradients, allocated by its first micro-batch's backward, stay
+    # through the backward of the others: resident at the steady-state peak (tests/test_comm_stream.py)
+    gradients = "persistent" if layout.micro_batches > 1 else "per-step"
     return [Stage(s, ranges[s][c], counts[s][c],
                   _cut(profile, whole, ranges[s][c], first=s == 0 and c == 0, last=s == p - 1 and c == v - 1,
-                       hardware=hardware), chunk=c)
+                       hardware=hardware, gradients=gradients), chunk=c)
             for s in range(p) for c in range(v)]
 
 
 def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last: bool,
-         hardware: HardwareSpec | None) -> StepModel:
+         hardware: HardwareSpec | None, gradients: str = "per-step") -> StepModel:
     """The step model of ``layers`` (units before the layers on the ``first`` stage, after them on the ``last``)."""
     n = profile.num_layers
     first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
@@ -92,7 +95,7 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
     sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if first else 0,
                   peak_memory=resident + saved + boundary,
                   step_time=sum(u.fwd_time + u.bwd_time for u in keep))
-    return StepModel.build(sub, hardware=hardware, outside=outside)
+    return StepModel.build(sub, hardware=hardware, outside=outside, gradients=gradients)
 
 
 def merge_plans(plans: list[Plan], stages: list[Stage], *, micro_batches: int) -> Plan:

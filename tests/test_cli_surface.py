@@ -43,6 +43,9 @@ LAYOUT = {"--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
 EXPECTED["profile"] = EXPECTED["profile"] | LAYOUT
 EXPECTED["search"] = EXPECTED["search"] | LAYOUT
 
+# #15 parallel runs: run spawns its own ranks (tests/test_parallel_launch.py)
+EXPECTED["run"] = EXPECTED["run"] | {"--nproc", "--parallel", "--micro-batches"}
+
 
 def _surface() -> dict[str, set[str]]:
     parser = build_parser()

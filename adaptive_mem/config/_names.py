@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from profiler._units import LayerInfo, UnitNamer, find_layers, join, leaf_label
 
+from ._collective_names import layout_collectives
 from ._errors import ConfigError, fmt
 
 __all__ = ["LayerNames", "clone_module", "fake_clone", "layer_names", "rebind"]
@@ -319,6 +320,7 @@ def layer_names(model: nn.Module | None) -> LayerNames:
     for k in range(len(info.stacks)):
         modules, units = _local_names(model.get_submodule(info.layer_path(info.first(k))))
         units = tuple(dict.fromkeys(units + traced[k])) if traced else units + _guessed_core(modules, units)
+        units += layout_collectives(model.get_submodule(info.layer_path(info.first(k))))  # Note: [collective units]
         per_stack.append((modules, units))
     if len(per_stack) == 1:
         return LayerNames(info.container, info.count, *per_stack[0])

@@ -17,7 +17,8 @@ from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
-from adaptive_mem.runtime._resolve import LayerMode, PlanSummary, Resolution, log_plan, resolve_plan, summarize
+from adaptive_mem.runtime._resolve import (LayerMode, PlanSummary, Resolution, is_collective_unit, log_plan, resolve_plan,
+                                           summarize)
 from adaptive_mem.runtime._spill import as_host_budget
 from adaptive_mem.runtime._swap_engine import SwapStats
 
@@ -240,6 +241,9 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
 
 
 def _verify_provisional(model: nn.Module, targets: list[str], args: tuple, kwargs: dict) -> None:
+    targets = [t for t in targets if not is_collective_unit(t)]  # Note: [collective units]: checked when traced
+    if not targets:
+        return
     try:
         units = trace_units(model, args, kwargs)
     except Exception as exc:  # a model fake tensors cannot run: the names stay unverified

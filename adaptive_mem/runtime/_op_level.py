@@ -39,10 +39,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from profiler._units import UnitNamer
-from search._plan import Action, Plan
+from search._plan import Action, Plan, matches
 
 from ._layer_cache import cache_snapshot, replays_on_snapshot
-from ._resolve import OUTSIDE_BEFORE, Resolution, decide
+from ._resolve import OUTSIDE_BEFORE, Resolution, decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
 from ._swap_engine import Packed, SwapEngine, local_shard
 
@@ -237,6 +237,11 @@ class OpLevelPaths:
     def _prepare_sac(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
                      kwargs: dict) -> None:
         state.trace = trace = trace_layer(layer, forward, state.counter, args, kwargs)
+        prefix = self.namer.layers.layer_path(state.index) + "." if self.namer.layers else ""
+        for target in (t for t in self.plan.decisions if t.startswith(prefix) and is_collective_unit(t)):
+            if not any(matches(target, u) for u in trace.units):
+                log.warning("plan target %s: layer %d issues no such collective (no tensor-parallel layout here); "
+                            "it decides nothing", target, state.index)  # Note: [collective units]
         actions = {u: decide(self.plan, u).action for u in trace.units}
         for unit in trace.units:
             if actions[unit] is Action.SWAP:
@@ -255,7 +260,7 @@ class OpLevelPaths:
 
         state.policy = SacPolicy(state.counter, trace,
                                  lambda unit: state.actions.get(unit) or decide(self.plan, unit).action.value,
-                                 on_swap_output)
+                                 on_swap_output, cached=kept_collectives(self.plan, trace.units))
 
     def _swap_cache_entries(self, state: SacLayer, fwd_ctx: Any) -> None:
         """Offload the selective-checkpoint cache slots holding outputs of swap units (private SAC storage:

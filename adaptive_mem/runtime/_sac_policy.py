@@ -153,7 +153,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
                 if o in namer.leaves:
                     namer.leaves.add(id(c))
                     namer.labels[id(c)] = namer.labels[o]
-            c.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            c.register_forward_pre_hook(lambda m, a: namer.enter(m), prepend=True)  # Note: [collective units]
             c.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
         trace = LayerTrace()
         saved.clear()
@@ -206,7 +206,9 @@ class SacPolicy:
     """The policy function of one layer; ``action(unit)`` gives the unit's resolved action."""
 
     def __init__(self, counter: OpCounter, trace: LayerTrace, action: Callable[[str], str],
-                 on_swap_output: Callable[[Any, str], None]) -> None:
+                 on_swap_output: Callable[[Any, str], None], cached: frozenset[str] = frozenset()) -> None:
+        self.cached = cached
+        """Collective units a plan keeps by name: their outputs are cached, the replay does not re-issue them."""
         self.counter = counter
         self.trace = trace
         self.action = action
@@ -223,6 +225,6 @@ class SacPolicy:
             if not ctx.is_recompute:
                 self.on_swap_output(ctx.op_output, key[0])
             return CheckpointPolicy.MUST_SAVE
-        if key in self.trace.saved_ops:
+        if key in self.trace.saved_ops or key[0] in self.cached:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
