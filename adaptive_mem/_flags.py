@@ -105,7 +105,8 @@ def _adaptive_batch(args: argparse.Namespace, adaptive: bool, global_batch: int 
 
 
 def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: Any = None,
-                    loss_fn: Callable[[Any], torch.Tensor] | None = None, global_batch: int | None = None) -> Any:
+                    loss_fn: Callable[[Any], torch.Tensor] | None = None, global_batch: int | None = None,
+                    dp_group: Any = None) -> Any:
     """Apply the memory flags of ``args`` to ``model``; returns the handle (``remove()`` restores) or None.
 
     ``--adaptive-memory-optimization`` -> :class:`AdaptiveMemory`; ``--memory-plan`` or Megatron recompute
@@ -114,7 +115,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     repeated layer after the plan is applied (``optimize(compile=...)``). ``optimizer`` counts its state in the budget.
     ``--adaptive-batch-size``: the handle's ``batch`` (an :class:`~adaptive_mem.adaptive._batch.AdaptiveBatch`)
     cuts each global batch (``global_batch``, else ``args.global_batch_size`` or ``args.batch_size``) into
-    micro-batches for gradient accumulation.
+    micro-batches for gradient accumulation. ``dp_group``: the data-parallel ranks that agree on one adaptive
+    plan (default the world group under ``torch.distributed``; a pipeline stage passes its own).
     """
     adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
     budget = getattr(args, "memory_budget", None)
@@ -146,7 +148,7 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
         from adaptive_mem.adaptive._loop import adaptive_optimize
 
         return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn,
-                                 batch=batch, host_memory_budget=host)
+                                 batch=batch, host_memory_budget=host, dp_group=dp_group)
     for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "

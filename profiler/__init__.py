@@ -18,10 +18,21 @@ from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_ou
 from ._static import OPTIMIZERS, static_memory
 from ._compiled import CompileBackendError
 from ._step import StepTarget, profile_compiled, profile_step
+from ._layout import SCHEDULES, Layout, LayoutError
+from ._shard import ParameterSplit, collective_time, parameter_split, rank_static, shard_profile, tp_roles
 from ._summary import format_summary
 
 __all__ = [
     "CompileBackendError",
+    "SCHEDULES",
+    "Layout",
+    "LayoutError",
+    "ParameterSplit",
+    "collective_time",
+    "parameter_split",
+    "rank_static",
+    "shard_profile",
+    "tp_roles",
     "HARDWARE",
     "HardwareError",
     "OPTIMIZERS",

@@ -39,26 +39,35 @@ class _Datasheet:
     """Host link, per direction."""
     device_memory: int
     source: str
+    interconnect_bandwidth: float = 0.0
+    """Intra-node device-to-device link (NVLink, HCCS), per direction: the bus bandwidth the
+    collectives of a parallel layout are timed at (``profiler._shard``)."""
 
 
 HARDWARE: dict[str, _Datasheet] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): FP32 67 TFLOPS, BF16 989.4 TFLOPS dense
     # (1979 with sparsity), HBM3 3.35 TB/s, 80 GB; host link PCIe Gen5 x16 = 64 GB/s per direction.
     "h100": _Datasheet(67 * TFLOPS, 989.4 * TFLOPS, 3.35e12, 64 * GB, 80 * 2**30,
-                       "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16"),
+                       "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
+                       interconnect_bandwidth=450 * GB),  # NVLink 4: 900 GB/s bidirectional per GPU
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
     # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction.
     "h200": _Datasheet(67 * TFLOPS, 989.4 * TFLOPS, 4.8e12, 64 * GB, 141 * 10**9,
-                       "NVIDIA H200 SXM datasheet; PCIe Gen5 x16"),
+                       "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
+                       interconnect_bandwidth=450 * GB),  # NVLink 4: 900 GB/s bidirectional per GPU
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense,
     # HBM2e 2039 GB/s, 80 GB; PCIe Gen4 x16 = 32 GB/s per direction.
     "a100": _Datasheet(19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
-                       "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16"),
+                       "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s",
+                       interconnect_bandwidth=300 * GB),  # NVLink 3: 600 GB/s bidirectional per GPU
     # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16
     # host interface (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32
-    # figure was found, so FP32 is assumed to run at 1/4 of the FP16 cube rate.
+    # figure was found, so FP32 is assumed to run at 1/4 of the FP16 cube rate. The 8 NPUs of an
+    # Atlas 800T A2 are a full mesh of HCCS links, 7 x 56 GB/s = 392 GB/s bidirectional per NPU (Huawei's
+    # public Atlas 800T A2 / 910B figures; HCCL bus bandwidth measured in practice is lower).
     "ascend-910b": _Datasheet(313 * TFLOPS / 4, 313 * TFLOPS, 1.6e12, 64 * GB, 64 * 2**30,
-                              "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16"),
+                              "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16; HCCS 392 GB/s",
+                              interconnect_bandwidth=196 * GB),
 }
 
 NAMES = (*HARDWARE, "cpu")

@@ -38,7 +38,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-__all__ = ["LayerInfo", "UnitNamer", "find_layers", "op_label", "is_view_op", "function_scope"]
+__all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "collective_label", "find_layers", "op_label", "is_view_op",
+           "function_scope"]
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
 _LEAF_LABELS: dict[str, str] = {
@@ -67,6 +68,23 @@ def op_label(func: torch._ops.OpOverload) -> str:
     if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
         return "flash_attention"
     return name
+
+
+COLLECTIVE_LABELS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
+
+
+def collective_label(func: torch._ops.OpOverload) -> str | None:
+    """``all_reduce`` / ``all_gather`` / ``reduce_scatter`` / ``all_to_all`` for a functional collective (what
+    DTensor's redistribute runs), ``"wait"`` for its ``wait_tensor``, else ``None``."""
+    name = func.overloadpacket.__name__
+    if name.endswith("wrap_tensor_autograd"):  # DTensor's autograd wrapper of a collective's output
+        return "wait"
+    if func.namespace not in _COLLECTIVE_NAMESPACES:
+        return None
+    if name == "wait_tensor":
+        return "wait"
+    return next((label for label in COLLECTIVE_LABELS if name.startswith(label)), name)
 
 
 def leaf_label(module: nn.Module) -> str:
@@ -253,6 +271,7 @@ class UnitNamer:
         self.labels: dict[int, str] = {id(m): leaf_label(m) for m in root.modules() if id(m) in self.leaves}
         self.layers = find_layers(root)
         self._stack: list[tuple[nn.Module, dict[str, int]]] = []
+        self._collective: str | None = None
 
     def tracks(self, module: nn.Module) -> bool:
         return id(module) in self.paths
@@ -277,6 +296,9 @@ class UnitNamer:
         function_unit = _function_unit(self)
         if function_unit is not None:
             return function_unit
+        collective = collective_label(func)
+        if collective is not None:
+            return self._collective_unit(collective)
         if not self._stack:
             return op_label(func)
         module, counters = self._stack[-1]
@@ -289,6 +311,22 @@ class UnitNamer:
         seen = counters.get(label, 0)
         counters[label] = seen + 1
         return join(path, label if seen == 0 else f"{label}_{seen}")
+
+    def _collective_unit(self, label: str) -> str:
+        """Note: [collective units] a collective is its own unit ``<module path>.<label>`` (numbered like rule 2),
+        also inside a leaf module, named by the module on top of the stack: the one whose forward or layout
+        hooks (DTensor ``parallelize_module``) issue it; its ``wait_tensor`` belongs to the last collective
+        issued. Plans and configs target them (``layers.0.attention.wo.all_reduce``); tests/test_parallel_comm.py."""
+        if label == "wait":
+            return self._collective or "wait_tensor"
+        if not self._stack:
+            self._collective = label
+            return label
+        module, counters = self._stack[-1]
+        seen = counters.get(label, 0)
+        counters[label] = seen + 1
+        self._collective = _join_path(self.paths[id(module)], label if seen == 0 else f"{label}_{seen}")
+        return self._collective
 
     def split(self, unit: str) -> tuple[int | None, str]:
         """``layers.3.feed_forward.mul`` -> ``(3, "feed_forward.mul")``."""

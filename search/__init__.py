@@ -25,7 +25,8 @@ from ._budget import (
     minimum_budget,
     parse_bytes,
 )
-from ._pipeline import Stage, merge_plans, split_stages
+from ._pipeline import Stage, merge_plans, split_layout, split_stages
+from ._schedules import chunk_layers, in_flight, pipeline_step_time
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile
 from ._scaling import ScalingCheck, profile_for_batch, scale_profile, scaling_error
 from ._throughput import BatchSizesError, ThroughputResult, ThroughputRow, maximize_throughput, parse_batch_sizes
@@ -35,6 +36,7 @@ __all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", 
            "Simulation", "SolveResult", "Solver", "SolverStats", "Stage", "StepModel", "SyntheticUnit", "Timeline",
            "UnknownSolverError", "DeviceMemoryError", "activation_peak", "check_feasible", "fmt_bytes", "fmt_seconds", "get_solver", "merge_plans", "minimum_budget",
            "parse_bytes", "plan_from_assignment", "random_profile", "register_solver", "resolve", "simulate",
-           "simulate_assignment", "solver_names", "split_stages", "synthetic_profile",
+           "simulate_assignment", "solver_names", "split_layout", "split_stages", "chunk_layers", "in_flight",
+           "pipeline_step_time", "synthetic_profile",
            "BatchSizesError", "ScalingCheck", "ThroughputResult", "ThroughputRow", "maximize_throughput",
            "parse_batch_sizes", "profile_for_batch", "scale_profile", "scaling_error"]

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from profiler._layout import Layout
 from profiler._profile import HardwareSpec, Profile
 
 from ._model import StepModel
 from ._plan import Plan, PlanError
 
-__all__ = ["Stage", "split_stages", "merge_plans"]
+__all__ = ["Stage", "split_layout", "split_stages", "merge_plans"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,8 @@ class Stage:
     in_flight: int
     """Micro-batches of activations held at the peak: min(P - s, M)."""
     model: StepModel
+    chunk: int = 0
+    """Model chunk on this stage's rank (interleaved 1F1B: 0..V-1)."""
 
 
 def split_stages(profile: Profile, *, stages: int, micro_batches: int,
@@ -44,29 +47,55 @@ def split_stages(profile: Profile, *, stages: int, micro_batches: int,
         bounds.append(range(start, start + size))
         start += size
     whole = StepModel.build(profile, hardware=hardware)
+    return [Stage(s, layers, min(stages - s, micro_batches),
+                  _cut(profile, whole, layers, first=s == 0, last=s == stages - 1, hardware=hardware))
+            for s, layers in enumerate(bounds)]
+
+
+def split_layout(profile: Profile, *, layout: Layout, hardware: HardwareSpec | None = None) -> list[Stage]:
+    """One :class:`Stage` per pipeline rank and model chunk (``chunk`` 0..V-1), its ``in_flight`` from the
+    layout's schedule (``search._schedules``)."""
+    from ._schedules import chunk_layers, in_flight
+
+    n = profile.num_layers
+    if layout.chunks > max(n, 1):
+        raise PlanError(f"--pipeline-stages={layout.pipeline_stages} x --virtual-pipeline-stages="
+                        f"{layout.virtual_pipeline_stages}: expected at most the number of layers ({n}) chunks")
+    whole = StepModel.build(profile, hardware=hardware)
+    counts, ranges = in_flight(layout), chunk_layers(n, layout)
+    p, v = layout.pipeline_stages, layout.virtual_pipeline_stages
+    # Note: [accumulated gradients] a stage's gradients, allocated by its first micro-batch's backward, stay
+    # through the backward of the others: resident at the steady-state peak (tests/test_comm_stream.py)
+    gradients = "persistent" if layout.micro_batches > 1 else "per-step"
+    return [Stage(s, ranges[s][c], counts[s][c],
+                  _cut(profile, whole, ranges[s][c], first=s == 0 and c == 0, last=s == p - 1 and c == v - 1,
+                       hardware=hardware, gradients=gradients), chunk=c)
+            for s in range(p) for c in range(v)]
+
+
+def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last: bool,
+         hardware: HardwareSpec | None, gradients: str = "per-step") -> StepModel:
+    """The step model of ``layers`` (units before the layers on the ``first`` stage, after them on the ``last``)."""
+    n = profile.num_layers
     first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
-    out = []
-    for s, layers in enumerate(bounds):
-        def mine(i: int, layer: int | None) -> bool:
-            if layer is not None:
-                return layer in layers
-            return s == 0 if i < first_layer else s == stages - 1
-        keep = [u for i, u in enumerate(profile.units) if mine(i, u.layer)]
-        names = {u.name for u in keep}
-        outside = frozenset(u.name for u in profile.units if u.name not in names)
-        share = len(layers) / max(n, 1)
-        st = profile.static
-        static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
-                         optimizer_state=int(st.optimizer_state * share))
-        saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if s == 0 else 0)
-        boundary = whole.boundary if s == stages - 1 else 0
-        resident = static.total - static.gradients  # per-step gradients, StepModel.build's default
-        sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if s == 0 else 0,
-                      peak_memory=resident + saved + boundary,
-                      step_time=sum(u.fwd_time + u.bwd_time for u in keep))
-        model = StepModel.build(sub, hardware=hardware, outside=outside)
-        out.append(Stage(s, layers, min(stages - s, micro_batches), model))
-    return out
+    def mine(i: int, layer: int | None) -> bool:
+        if layer is not None:
+            return layer in layers
+        return first if i < first_layer else last
+    keep = [u for i, u in enumerate(profile.units) if mine(i, u.layer)]
+    names = {u.name for u in keep}
+    outside = frozenset(u.name for u in profile.units if u.name not in names)
+    share = len(layers) / max(n, 1)
+    st = profile.static
+    static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
+                     optimizer_state=int(st.optimizer_state * share))
+    saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if first else 0)
+    boundary = whole.boundary if last else 0
+    resident = static.total - static.gradients  # per-step gradients, StepModel.build's default
+    sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if first else 0,
+                  peak_memory=resident + saved + boundary,
+                  step_time=sum(u.fwd_time + u.bwd_time for u in keep))
+    return StepModel.build(sub, hardware=hardware, outside=outside, gradients=gradients)
 
 
 def merge_plans(plans: list[Plan], stages: list[Stage], *, micro_batches: int) -> Plan:
@@ -77,7 +106,7 @@ def merge_plans(plans: list[Plan], stages: list[Stage], *, micro_batches: int) -
         merged.groups.extend(plan.groups)
     merged.meta["pipeline"] = {
         "stages": len(stages), "micro_batches": micro_batches,
-        "per_stage": [{"stage": st.index, "layers": [st.layers.start, st.layers.stop - 1] if len(st.layers) else [],
+        "per_stage": [{"stage": st.index, **({"chunk": st.chunk} if st.chunk else {}), "layers": [st.layers.start, st.layers.stop - 1] if len(st.layers) else [],
                        "in_flight": st.in_flight, **{k: p.meta[k] for k in ("predicted_peak_bytes", "predicted_step_time")
                                                      if k in p.meta}}
                       for st, p in zip(stages, plans)],

@@ -10,9 +10,10 @@ __all__ = ["Interval", "Simulation", "Timeline"]
 @dataclass(frozen=True)
 class Interval:
     stream: str
-    """``compute`` or ``copy``."""
+    """``compute``, ``copy`` or ``comm`` (collectives: ``search._comm_stream``)."""
     kind: str
-    """``forward``, ``backward``, ``recompute``, ``stall`` (compute) or ``d2h``, ``h2d`` (copy)."""
+    """``forward``, ``backward``, ``recompute``, ``stall`` (compute), ``d2h``, ``h2d`` (copy) or the collective
+    (comm: ``all_reduce``, ``reduce_scatter``, ``all_gather``)."""
     start: float
     """Seconds from the start of the step."""
     end: float
@@ -36,10 +37,10 @@ class Timeline:
         colors = {"forward": "tab:blue", "backward": "tab:green", "recompute": "tab:orange", "stall": "tab:red",
                   "d2h": "tab:purple", "h2d": "tab:brown"}
         fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-        rows = {"compute": 1, "copy": 0}
+        rows = {"compute": 1, "copy": 0, "comm": 2}
         for iv in self.intervals:
             top.barh(rows[iv.stream], iv.end - iv.start, left=iv.start, color=colors.get(iv.kind, "gray"))
-        top.set_yticks([0, 1], ["copy", "compute"])
+        top.set_yticks([0, 1, 2], ["copy", "compute", "comm"])
         top.set_title(title)
         handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
         top.legend(handles, list(colors), ncol=6, fontsize="small", loc="upper right")

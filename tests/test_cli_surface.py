@@ -43,6 +43,15 @@ EXPECTED["profile"] = EXPECTED["profile"] | {"--compile"}
 EXPECTED["bench"] = EXPECTED["bench"] | {"--compile-backend"}
 EXPECTED["demo"] = EXPECTED["demo"] | {"--compile-backend"}
 
+# #15 parallel layouts planned without the ranks (profile and search; search already had the two pipeline flags)
+LAYOUT = {"--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
+          "--sequence-parallel", "--zero", "--micro-batches", "--schedule"}
+EXPECTED["profile"] = EXPECTED["profile"] | LAYOUT
+EXPECTED["search"] = EXPECTED["search"] | LAYOUT
+
+# #15 parallel runs: run spawns its own ranks (tests/test_parallel_launch.py)
+EXPECTED["run"] = EXPECTED["run"] | {"--nproc", "--parallel", "--micro-batches"}
+
 
 def _surface() -> dict[str, set[str]]:
     parser = build_parser()

@@ -37,6 +37,7 @@ from adaptive_mem.runtime._spill import HostBudget, as_host_budget
 from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
 from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
+from ._ranks import RankGroup, share_decision
 from ._target_search import Move, StepRecord, TargetSearch
 from ._wrappers import wrapper_memory
 
@@ -51,8 +52,11 @@ class AdaptiveMemory(StepMeasurement, Planner):
 
     def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
                  solver: str, parallel: dict[str, int] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                 tolerance: float, pluggable_allocator: bool, host_budget: HostBudget | None = None) -> None:
+                 tolerance: float, pluggable_allocator: bool, host_budget: HostBudget | None = None,
+                 ranks: RankGroup | None = None) -> None:
         self.model = model
+        self.ranks = ranks or RankGroup()
+        """The data-parallel group that agrees on one plan (Note: [one decision per DP group])."""
         self.host_budget = host_budget
         """RAM the swap stores may hold (the plan's and the SwapManager's together); None: the process default."""
         self.budget = budget
@@ -215,10 +219,13 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self.hook.exit()
         record = self._record_step()
         self.history.append(record)
-        if self._kind in ("warmup", "cached"):
-            record.decision = self._describe_pending()
-        elif self.search is not None and (not self.converged or record.rescues):
-            record.decision = self._adapt(record)
+        self.ranks.reduce_record(record)
+        deciding = self._kind in ("warmup", "cached") or (self.search is not None and
+                                                          (not self.converged or record.rescues > 0))
+        if deciding and self.ranks.decides:
+            record.decision = self._describe_pending() if self._kind in ("warmup", "cached") else self._adapt(record)
+        if deciding and self.ranks.active:
+            share_decision(self, record)
         if self._pending is not False:
             self._apply(self._pending)
             self._pending = False
@@ -235,7 +242,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         if not first:
             log.info("adaptive memory: input shapes changed to %s: planning again",
                      [list(t.shape) for t in tensors])
-        cached = self.cache.load(self._cache_key) if self.cache is not None else None
+        cached = self.ranks.agree_on_cache(self.cache, self._cache_key)
         if cached is not None:
             self.cache_hits += 1
             self._kind = "cached"
@@ -298,7 +305,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         return f"warm-up done: applying the {what}{self._describe(self._pending)}{target}"
 
     def _save_cache(self, target: int, plan: Plan) -> None:
-        if self.cache is None or self._cache_key is None:
+        if self.cache is None or self._cache_key is None or not self.ranks.decides:
             return
         path = self.cache.save(self._cache_key, CachedPlan(plan, target, self._cache_fields))
         log.info("adaptive memory: plan cached at %s", path)
@@ -328,7 +335,8 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
                       parallel: dict[str, int] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                       tolerance: float = 0.02, pluggable_allocator: bool = False,
                       batch: AdaptiveBatch | None = None,
-                      host_memory_budget: int | str | None = None) -> AdaptiveMemory:
+                      host_memory_budget: int | str | None = None,
+                      dp_group: Any = None) -> AdaptiveMemory:
     """Keep ``model`` under ``budget`` device bytes with the fastest plan that fits, found while training.
 
     ``budget``: bytes or a size string (``"12GiB"``); default the device capacity (on CPU the ``cap`` of
@@ -340,6 +348,9 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     (then retry the op). ``host_memory_budget``: RAM the swap stores may hold (bytes or a size; default half
     the free RAM); beyond it swapped activations spill to memory-mapped files, and the planner knows it.
     ``batch``: an :class:`AdaptiveBatch` whose micro-batch the first profile chooses (``--adaptive-batch-size``).
+    ``dp_group``: under ``torch.distributed``, the data-parallel ranks that agree on one plan (default the world
+    group; a pipeline stage passes the group of the ranks holding it): the first decides on the group's measured
+    maxima and broadcasts, and a rescue on any rank re-plans all of them at the same step.
     """
     from search._budget import parse_bytes
 
@@ -361,9 +372,10 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     if getattr(model, "_adaptive_memory", None) is not None:
         raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
     store = PlanCache(cache_dir) if cache else None
+    ranks = RankGroup.resolve(dp_group)
     handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
                             loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator,
-                            host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"))
+                            host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"), ranks=ranks)
     handle.batch = batch
     if budget is not None:
         try:  # a budget below what never leaves the device is refused now, before any step or batch

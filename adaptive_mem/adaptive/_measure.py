@@ -109,6 +109,7 @@ class StepMeasurement:
             self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
         self._step_model = model = StepModel.build(prof, host_budget=host.limit)
         needed, what = minimum_budget(model)
+        needed = self.ranks.reduce_max([needed])[0]  # every DP rank refuses, or none does
         if self._wrapper.what:
             what += f"; with {self._wrapper.what}"
         if needed > self.budget:
@@ -120,7 +121,8 @@ class StepMeasurement:
         self.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
                  "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
-        self._pending = self._solve(self.search.target)
+        # Note: [one decision per DP group]: the other ranks take the deciding rank's plan at the step's end
+        self._pending = self._solve(self.search.target) if self.ranks.decides else False
 
     def _check_static(self) -> None:
         """Parameters, their gradients and what a parallel wrapper holds never leave the device: fail before the
@@ -169,10 +171,14 @@ class StepMeasurement:
             return None  # a prefetch that does not fit: it waits for its use
         return self.manager.exhausted(needed, budget if budget is not None else self.budget)
 
-    def _parallel(self) -> dict[str, int]:
+    def _parallel(self) -> dict[str, Any]:
         sizes = dict(self.parallel)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             sizes.setdefault("world", torch.distributed.get_world_size())
+        sizes.update(self.ranks.layout())
+        mesh = next((list(p.device_mesh.shape) for p in self.model.parameters() if hasattr(p, "device_mesh")), None)
+        if mesh is not None:  # DTensor parameters (FSDP2, tensor parallel): the mesh they are sharded over
+            sizes["mesh"] = mesh
         return sizes
 
     def _default_budget(self) -> int:

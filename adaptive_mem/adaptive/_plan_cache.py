@@ -39,7 +39,7 @@ def default_cache_dir() -> Path:
 
 
 def plan_key(model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int,
-             parallel: dict[str, int] | None = None, structure: str | None = None) -> tuple[str, dict[str, Any]]:
+             parallel: dict[str, Any] | None = None, structure: str | None = None) -> tuple[str, dict[str, Any]]:
     """``(key, described fields)`` for ``model`` stepping on ``inputs`` under ``budget`` bytes."""
     from adaptive_mem._version import __version__
 

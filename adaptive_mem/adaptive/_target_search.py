@@ -65,3 +65,7 @@ class StepRecord:
     """Allocator retries during the step."""
     decision: str = ""
     """What the loop decided after the step, and why."""
+    local_peak: int | None = None
+    """Under ``torch.distributed``: this rank's own peak (``peak`` is the DP group's maximum)."""
+    local_rescues: int | None = None
+    """Under ``torch.distributed``: this rank's own rescues (``rescues`` is the DP group's maximum)."""

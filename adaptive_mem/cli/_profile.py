@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import profiler
+from search import fmt_bytes
 from search._budget import device_shortfall
 
 from adaptive_mem._model_spec import FORMS, build_model
@@ -50,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aot_eager): what each compiled block saves and its times, for keep and full recompute "
                              "(profile.compiled); plans searched on it are for the model compiled per block")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
+    from ._layout_args import add_layout_arguments
+
+    add_layout_arguments(parser)
 
 
 def positive_int(flag: str, value: str | int | None) -> int | None:
@@ -84,8 +88,14 @@ def check_hardware(name: str | None, device: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ._layout_args import layout_from_args
+
     top = positive_int("--top", args.top)
     check_hardware(args.hardware, args.device)
+    layout = layout_from_args(args)
+    if layout.tensor_parallel > 1 and args.device == "cpu":
+        raise ValueError(f"--tensor-parallel={layout.tensor_parallel} with --device cpu: the collectives are timed on "
+                         "a device's interconnect; expected --device meta with --hardware naming it")
     if args.optimizer.lower() not in profiler.OPTIMIZERS:
         raise ValueError(f"--optimizer={args.optimizer!r}: expected one of {', '.join(profiler.OPTIMIZERS)}")
     if args.compile is not None:
@@ -110,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         from adaptive_mem.adaptive._calibrate import calibrate
 
         result = calibrate(bundle, result)
+    if layout != profiler.Layout():
+        result = _shard(result, bundle, layout)
     print(profiler.format_summary(result, top=top))
     shortfall = device_shortfall(result.hardware, static=result.static.total)
     if shortfall:
@@ -118,3 +130,16 @@ def run(args: argparse.Namespace) -> int:
         result.save(output)
         log.info("profile written to %s", output)
     return 0
+
+
+def _shard(result: profiler.Profile, bundle, layout: profiler.Layout) -> profiler.Profile:
+    """One rank's share of the profiled step (``profiler.shard_profile``)."""
+    split = profiler.parameter_split(bundle.model, result.layer_info(), tensor_parallel=layout.tensor_parallel)
+    sheet = profiler.HARDWARE.get(result.hardware.name)
+    link = sheet.interconnect_bandwidth if sheet is not None else 0.0
+    shared = profiler.shard_profile(result, layout=layout, split=split, interconnect=link)
+    log.info("cut to one rank of %s: static %s -> %s, saved activations %s -> %s",
+             ", ".join(f"{k}={v}" for k, v in layout.to_dict().items() if v != getattr(profiler.Layout(), k)),
+             fmt_bytes(result.static.total), fmt_bytes(shared.static.total), fmt_bytes(result.saved_bytes),
+             fmt_bytes(shared.saved_bytes))
+    return shared

@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from adaptive_mem._flags import add_memory_arguments
 
     add_memory_arguments(parser)  # --adaptive-memory-optimization, --memory-budget, --memory-plan(-cache)
+    from ._run_parallel import add_parallel_arguments
+
+    add_parallel_arguments(parser)  # --nproc, --parallel, --micro-batches
 
 
 def _forward_backward(bundle, batch, adaptive_batch) -> torch.Tensor:
@@ -74,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
     from adaptive_mem.runtime._accounting import DeviceMemory
     from adaptive_mem._model_spec import build_model
     from adaptive_mem._optimize import OptimizeHandle, optimize
+    from ._run_parallel import check_parallel, run_parallel
 
+    if check_parallel(args):
+        return run_parallel(args)
     if args.steps <= 0:
         raise ValueError(f"--steps={args.steps}: expected a positive integer")
     if args.plan is not None and args.config is not None:

@@ -5,15 +5,19 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
 from search import (Budget, InfeasibleBudgetError, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver,
-                    merge_plans, minimum_budget, simulate_assignment, solver_names)
+                    in_flight, merge_plans, minimum_budget, simulate_assignment, solver_names, split_layout)
+from profiler import Layout
 from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
 
 from ._common import HARDWARE_NAMES, check_output_path, load, positive, stages_of, write_text_atomic
+from ._layout_args import add_layout_arguments, merge_layout
+from ._search_layout import chunk_budgets, report_pipeline
 from ._search_throughput import add_throughput_arguments, run_throughput
 
 NAME = "search"
@@ -37,18 +41,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--solver", default="milp", metavar="NAME",
                         help="milp (default), optuna or a baseline: none, full, selective, uniform, block, sqrt, "
                              "greedy, mindformers-swap, swap-only")
-    parser.add_argument("--pipeline-stages", default="1", metavar="P", help="pipeline stages (1F1B; default 1)")
-    parser.add_argument("--micro-batches", default="1", metavar="M", help="micro-batches per step (default 1)")
+    parser.add_argument("--pipeline-stages", default=None, metavar="P",
+                        help="pipeline stages (default: the profile's layout, else 1)")
+    parser.add_argument("--micro-batches", default=None, metavar="M",
+                        help="micro-batches per step (default: the profile's layout, else 1)")
     parser.add_argument("-o", "--output", required=True, metavar="FILE", help="where to write the plan")
     parser.add_argument("--format", default="plan", metavar="FMT",
                         help="plan (adaptive-mem plan YAML/JSON, default), mindformers (recompute_config + "
                              "swap_config YAML) or megatron (flags)")
     add_throughput_arguments(parser)
+    add_layout_arguments(parser, skip=("--pipeline-stages", "--micro-batches"))
 
 
-def _write(plan, fmt: str, path: str, num_layers: int) -> None:
+def _write(plan, fmt: str, path: str, num_layers: int, layout: Layout | None = None) -> None:
     if fmt == "plan":
         text = plan.dumps(fmt="json" if Path(path).suffix == ".json" else "yaml")
+    elif layout is not None and layout != Layout():
+        from adaptive_mem.config import plan_to_megatron_stages, plan_to_mindformers_stages
+        stages = {"num_layers": num_layers, "pipeline_stages": layout.pipeline_stages,
+                  "interleave": layout.virtual_pipeline_stages}
+        if fmt == "mindformers":
+            text = yaml.safe_dump(plan_to_mindformers_stages(plan, **stages), sort_keys=False)
+        else:
+            text = " ".join(plan_to_megatron_stages(plan, **stages, tensor_parallel=layout.tensor_parallel,
+                                                    sequence_parallel=layout.sequence_parallel)) + "\n"
     else:
         from adaptive_mem.config import plan_to_megatron, plan_to_mindformers
         if fmt == "mindformers":
@@ -112,28 +128,35 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--format={args.format!r}: expected one of {', '.join(FORMATS)}")
     if args.solver not in solver_names():
         raise ValueError(f"--solver={args.solver!r}: unknown solver; expected one of {', '.join(solver_names())}")
-    stages_n = positive("--pipeline-stages", args.pipeline_stages)
-    micro = positive("--micro-batches", args.micro_batches)
+    positive("--pipeline-stages", args.pipeline_stages)
+    positive("--micro-batches", args.micro_batches)
     budget = Budget.parse(budget=args.budget, activation_budget=args.activation_budget)
     check_output_path(args.output, flag="--output")
     profile, hardware = load(args)
-    stages = stages_of(profile, hardware, stages_n, micro)
+    layout = merge_layout(profile.model.get("layout"), args)
+    micro = layout.micro_batches
+    if layout.chunks == 1:
+        stages = [replace(stages_of(profile, hardware, 1, micro)[0], in_flight=in_flight(layout)[0][0])]
+    else:
+        stages = split_layout(profile, layout=layout, hardware=hardware)
+    budgets = chunk_budgets(stages, budget, layout)
     results = []
-    for st in stages:
-        where = f"stage {st.index} ({st.in_flight} micro-batches in flight): " if stages_n > 1 else ""
-        _check_device(st.model, budget, args.budget, where)
-        problem = budget.problem(st.model, in_flight=st.in_flight, progress=True)
+    for st, stage_budget in zip(stages, budgets):
+        chunk = f", chunk {st.chunk}" if layout.virtual_pipeline_stages > 1 else ""
+        where = f"stage {st.index}{chunk} ({st.in_flight} micro-batches in flight): " if layout.chunks > 1 else ""
+        _check_device(st.model, stage_budget, args.budget, where)
+        problem = stage_budget.problem(st.model, in_flight=st.in_flight, progress=True)
         keep = activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)
-        _check_feasible(problem, budget, args.activation_budget, keep, where)
-        _say_if_keep_all_fits(problem, budget, args, where)
+        _check_feasible(problem, stage_budget, args.activation_budget, keep, where)
+        _say_if_keep_all_fits(problem, stage_budget, args, where)
         result = get_solver(args.solver).solve(problem)
         results.append(result)
         sim = simulate_assignment(st.model, result.assignment, in_flight=st.in_flight)
         result.plan.meta["predicted_peak_bytes"] = sim.peak_bytes  # the activation model's is an upper bound
         gap = "" if result.stats.gap is None else \
             f", lower bound {fmt_seconds(result.stats.lower_bound)}, gap {result.stats.gap:.3%}"
-        if budget.total is not None:
-            held = f"(budget {fmt_bytes(budget.total)})"
+        if stage_budget.total is not None:
+            held = f"(budget {fmt_bytes(stage_budget.total)})"
         else:
             act = activation_peak(st.model, result.assignment, in_flight=st.in_flight)
             held = (f"(activation peak {fmt_bytes(act)} = {act / keep if keep else 0:.3f} of the keep-all "
@@ -144,8 +167,11 @@ def run(args: argparse.Namespace) -> int:
         shortfall = device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes)
         if shortfall:
             log.warning("%s%s", where, shortfall)
-    plan = results[0].plan if stages_n == 1 else merge_plans([r.plan for r in results], stages, micro_batches=micro)
+    plan = results[0].plan if layout.chunks == 1 else merge_plans([r.plan for r in results], stages, micro_batches=micro)
     plan.meta["budget_spec"] = budget.describe()
-    _write(plan, args.format, args.output, profile.num_layers)
+    if layout != Layout():
+        plan.meta["layout"] = layout.to_dict()
+        report_pipeline(plan, stages, results, layout)
+    _write(plan, args.format, args.output, profile.num_layers, layout)
     print(f"wrote {args.output} ({args.format}, {len(plan.decisions)} decisions)")
     return 0

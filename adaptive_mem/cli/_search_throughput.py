@@ -97,8 +97,12 @@ def run_throughput(args: argparse.Namespace, *, write: Callable[..., None]) -> i
         raise ValueError(f"--activation-budget={args.activation_budget!r} with --maximize throughput: a fraction of "
                          "the keep-all activations differs per batch size; expected --budget SIZE")
     for flag, value in (("--pipeline-stages", args.pipeline_stages), ("--micro-batches", args.micro_batches)):
-        if positive(flag, value) != 1:
+        if value is not None and positive(flag, value) != 1:
             raise ValueError(f"{flag}={value!r} with --maximize throughput: expected 1 (one stage, one micro-batch)")
+    for key in ("tensor_parallel", "virtual_pipeline_stages", "data_parallel", "sequence_parallel", "zero", "schedule"):
+        if getattr(args, key, None) is not None:
+            raise ValueError(f"--{key.replace('_', '-')}={getattr(args, key)!r} with --maximize throughput: expected "
+                             "no parallel layout (throughput mode plans one device)")
     if args.model_args is not None and args.model is None:
         raise ValueError(f"--model-args={args.model_args!r} without --model: expected both")
     if args.format not in ("plan", "mindformers", "megatron"):

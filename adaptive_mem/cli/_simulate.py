@@ -29,6 +29,12 @@ def run(args: argparse.Namespace) -> int:
     check_plan_matches(plan, profile, source=f"plan file {args.plan!r}")
     if args.timeline:
         check_output_path(args.timeline, flag="--timeline")
+    layout = profile.model.get("layout") or {}
+    if layout.get("pipeline_stages", 1) * layout.get("virtual_pipeline_stages", 1) > 1:
+        log.warning("profile %s is of a pipelined layout (%s stages x %s chunks): simulated here as one stage holding "
+                    "every layer, one micro-batch; the per-stage figures are in the plan's meta.pipeline "
+                    "(adaptive-mem search)", args.profile, layout.get("pipeline_stages"),
+                    layout.get("virtual_pipeline_stages", 1))
     model = StepModel.build(profile, hardware=hardware)
     sim = simulate(model, plan, record=args.timeline is not None)
     print(f"peak device memory  {fmt_bytes(sim.peak_bytes)} ({sim.peak_bytes} bytes)")

@@ -19,11 +19,13 @@ from search._yaml import load_document
 
 from ._errors import ConfigError, fmt
 from ._export import plan_to_megatron, plan_to_mindformers
+from ._export_stages import plan_to_megatron_stages, plan_to_mindformers_stages
 from ._megatron import plan_from_megatron
 from ._mindformers import plan_from_mindformers
 from ._names import layer_names
 
-__all__ = ["ConfigError", "load_config", "plan_from_config", "plan_to_megatron", "plan_to_mindformers"]
+__all__ = ["ConfigError", "load_config", "plan_from_config", "plan_to_megatron", "plan_to_megatron_stages",
+           "plan_to_mindformers", "plan_to_mindformers_stages"]
 
 _FORMS = ("a path to a MindFormers YAML, a dict (the YAML's contents), an argparse.Namespace with Megatron "
           "recompute flags, or a list of those flags")

@@ -120,6 +120,9 @@ def _apply_layer(plan: Plan, i: int, names: LayerNames, recompute: LayerRecomput
     recomputed = [t for t in recomputed if not any(t.startswith(r + ".") for r in recomputed)]
     for target in recomputed:
         plan.decisions[target] = Decision(Action.RECOMPUTE)
+    if recomputed and recompute.keep_comm:  # mp_comm_recompute: False (Note: [collective units])
+        for name in names.in_layer(i, list(recompute.collectives)):
+            plan.decisions.setdefault(f"{lp}.{name}", Decision(Action.KEEP))
 
     def covered(target: str) -> bool:
         return any(target == r or target.startswith(r + ".") for r in recomputed)

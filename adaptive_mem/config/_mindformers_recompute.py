@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._collective_names import is_collective_name
 from ._errors import ConfigError, check_keys, expect_bool, fmt, match_key
 from ._layers import StageLayout
 from ._names import LayerNames
@@ -48,6 +49,17 @@ class LayerRecompute:
     """Layer -> local targets recomputed by ``select_comm_recompute`` (empty for full layers)."""
     inactive: list[str] = field(default_factory=list)
     """Accepted keys that have no effect without their parallel mode."""
+    keep_comm: bool = False
+    """``mp_comm_recompute: False``: the collectives of recomputed layers are kept, not issued again."""
+    collectives: tuple[str, ...] = ()
+    """Local names of the collective units of a layer (tensor-parallel layout; Note: [collective units])."""
+
+
+def _no_collective(where: str, key: str, value: Any, what: str) -> None:
+    """Note: [collective units]: without a tensor-parallel layout a comm key has nothing to act on (one warning
+    per config)."""
+    log.warning("%s.%s=%s: accepted; inactive here: the layers issue no collective to act on (no tensor-parallel "
+                "layout: apply the config after parallelize_module); %s", where, key, formative(value), what)
 
 
 def formative(value: Any) -> str:
@@ -125,13 +137,24 @@ def parse_recompute(section: Any, *, layout: StageLayout, names: LayerNames, swa
     log.info("Formative select_recompute: %s", formative(select))
     log.info("Formative select_comm_recompute: %s", formative(comm))
 
+    result.collectives = tuple(u for u in names.units if is_collective_name(u))
     for key, reason in INACTIVE.items():
         if section.get(key) is not None:
-            if expect_bool(section[key], f"{where}.{key}"):
+            value = expect_bool(section[key], f"{where}.{key}")
+            if key == "mp_comm_recompute" and result.collectives:
+                result.keep_comm = not value
+            elif key == "mp_comm_recompute":
+                if value:
+                    result.inactive.append(key)
+                _no_collective(where, key, value, "it changes nothing")
+            elif value:
                 result.inactive.append(key)
                 log.info("%s.%s=True: accepted; inactive here (it %s, which this run does not use)", where, key,
                          reason)
 
+    if section.get("select_comm_recompute") not in (None, False) and not result.collectives:
+        _no_collective(where, "select_comm_recompute", section["select_comm_recompute"],
+                       "the selected ops are recomputed as select_recompute would")
     result.full = set(_layers_of(layer_recompute, layout, swap_mode))
     for table, user, dest, key in ((select, select_user, result.select, "select_recompute"),
                                    (comm, comm_user, result.comm, "select_comm_recompute")):

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from profiler._units import LayerInfo, UnitNamer, find_layers, join, leaf_label
 
+from ._collective_names import layout_collectives
 from ._errors import ConfigError, fmt
 
 __all__ = ["LayerNames", "clone_module", "fake_clone", "layer_names", "rebind"]
@@ -162,8 +163,18 @@ def rebind(fn: Any, old: nn.Module, new: nn.Module) -> Callable[..., Any] | None
     return None
 
 
-def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor]
-                 ) -> tuple[nn.Module, dict[int, nn.Module]]:
+_LAYOUT_HOOK_MODULES = ("torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style")
+
+
+def _layout_hooks(module: nn.Module, key: str) -> dict[int, Any]:
+    """The forward hooks DTensor's ``distribute_module`` / ``parallelize_module`` styles put on ``module`` (they
+    turn inputs and outputs into DTensors of a layout and close over no module state)."""
+    hooks = module.__dict__.get(key, {})
+    return {k: h for k, h in hooks.items() if getattr(h, "__module__", None) in _LAYOUT_HOOK_MODULES}
+
+
+def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor], *,
+                 layout_hooks: bool = False) -> tuple[nn.Module, dict[int, nn.Module]]:
     """A copy of ``model``'s module tree that shares no tensor, hook or container with it.
 
     Note: [throw-away clone] every trace of a user's model runs on such a copy (tests/test_model_state.py).
@@ -172,7 +183,8 @@ def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.
     executor's), ``fully_shard``'s class and state are dropped, DDP/DataParallel/``torch.compile`` wrappers
     become a plain call of their child under the same name, an instance ``forward`` bound to the module is
     rebound to the copy (:func:`rebind`) and any other (a wrapper closing over the original: the executor's)
-    is dropped.
+    is dropped. With ``layout_hooks`` the tensor-parallel layout hooks are kept (:func:`_layout_hooks`): a clone
+    whose DTensor parameters must meet DTensor inputs (Note: [tensor-parallel trace]).
     Returns the copy and, by ``id`` of each copied module, its original.
     """
     memo: dict[int, Any] = {}
@@ -196,7 +208,9 @@ def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.
             new = object.__new__(_plain_class(module))
             state: dict[str, Any] = {}
             for key, v in module.__dict__.items():
-                if key in _HOOK_DICTS:
+                if key in ("_forward_hooks", "_forward_pre_hooks") and layout_hooks:
+                    state[key] = type(v)(_layout_hooks(module, key))
+                elif key in _HOOK_DICTS:
                     state[key] = type(v)()
                 elif key == "_parameters":
                     state[key] = type(v)((n, None if p is None else leaf(p, True)) for n, p in v.items())
@@ -308,6 +322,7 @@ def layer_names(model: nn.Module | None) -> LayerNames:
     for k in range(len(info.stacks)):
         modules, units = _local_names(model.get_submodule(info.layer_path(info.first(k))))
         units = tuple(dict.fromkeys(units + traced[k])) if traced else units + _guessed_core(modules, units)
+        units += layout_collectives(model.get_submodule(info.layer_path(info.first(k))))  # Note: [collective units]
         per_stack.append((modules, units))
     if len(per_stack) == 1:
         return LayerNames(info.container, info.count, *per_stack[0])

@@ -17,7 +17,8 @@ from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
-from adaptive_mem.runtime._resolve import LayerMode, PlanSummary, Resolution, log_plan, resolve_plan, summarize
+from adaptive_mem.runtime._resolve import (LayerMode, PlanSummary, Resolution, is_collective_unit, log_plan, resolve_plan,
+                                           summarize)
 from adaptive_mem.runtime._spill import as_host_budget
 from adaptive_mem.runtime._swap_engine import SwapStats
 
@@ -175,6 +176,17 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
     return list(names)
 
 
+def _unwrap_data_parallel(model: nn.Module, plan: Plan) -> nn.Module:
+    """The model a ``DistributedDataParallel`` / ``DataParallel`` wrapper runs, unless the plan names the wrapper's
+    paths (``module.``...): a plan of the bare model applies before or after wrapping (Note: [data-parallel
+    wrapper], guarded by tests/test_parallel_exec.py); the wrapper's forward calls it, so its hooks run."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if not isinstance(model, (DataParallel, DistributedDataParallel)):
+        return model
+    return model if any(t == "module" or t.startswith("module.") for t in plan.decisions) else model.module
+
+
 def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
                profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
                host_dir: str | None = None, host_memory_budget: Any = None) -> OptimizeHandle:
@@ -183,10 +195,11 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
     if host_store not in ("memory", "file"):
         raise ValueError(f"optimize: host_store={host_store!r}: expected 'memory' or 'file'")
     host_budget = as_host_budget(host_memory_budget)
+    plan = _load_plan(plan, config, model)
+    model = _unwrap_data_parallel(model, plan)
     previous = _APPLIED.get(model)
     if previous is not None and previous() is not None and previous().active:
         raise ValueError("optimize: this model already has a plan applied; remove() its handle first")
-    plan = _load_plan(plan, config, model)
     _check_structure(plan, model)
     units = None
     if profile is not None:
@@ -232,6 +245,9 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
 
 
 def _verify_provisional(model: nn.Module, targets: list[str], args: tuple, kwargs: dict) -> None:
+    targets = [t for t in targets if not is_collective_unit(t)]  # Note: [collective units]: checked when traced
+    if not targets:
+        return
     try:
         units = trace_units(model, args, kwargs)
     except Exception as exc:  # a model fake tensors cannot run: the names stay unverified

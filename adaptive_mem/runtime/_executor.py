@@ -45,6 +45,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
+from adaptive_mem.config._collective_names import layout_styles
 from profiler._units import UnitNamer
 from search._plan import Action, Plan
 
@@ -155,6 +156,8 @@ class Executor(OpLevelPaths):
         self._copies = CopyGuard(model, handles=self._handles, forwards=self._forwards, attrs=self._blocks.attrs)
         self._compile_warned = False
         self._cache_warned: set[str] = set()
+        self._leave_ids: dict[int, int] = {}
+        self._layouts: dict[int, bool] = {}
         self.engine: SwapEngine | None = None
         if plan.targets(Action.SWAP):
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -186,10 +189,13 @@ class Executor(OpLevelPaths):
                     if id(module) in seen:
                         continue
                     seen.add(id(module))
-                    for handle in (module.register_forward_pre_hook(enter),
+                    # Note: [collective units]: before a layout's input hooks; after FSDP2's (its unshard is no unit)
+                    layout = any(True for _ in layout_styles(module))
+                    for handle in (module.register_forward_pre_hook(enter, prepend=layout),
                                    module.register_forward_hook(leave, always_call=True)):
                         self._handles.append(handle)
                         self._blocks.track(owner.get(id(module)), handle)
+                    self._leave_ids[id(module)] = self._handles[-1].id
         if self.engine is not None:
             model = self.model
             self._handles.append(model.register_forward_pre_hook(outside_dynamo(self._root_pre)))
@@ -247,11 +253,12 @@ class Executor(OpLevelPaths):
         return layer.forward
 
     # ================================================================== recompute
-    def _ckpt(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _ckpt(self, index: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self.plan.distribute_saved_activations:
             from ._distributed_checkpoint import distributed_checkpoint
 
-            return distributed_checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args)
+            return distributed_checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args,
+                                          layer=self.layers[index])
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
     def _opaque_run(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -271,7 +278,7 @@ class Executor(OpLevelPaths):
             if not torch.is_grad_enabled():
                 return orig(*args, **kwargs)
             args, kwargs, fresh = cache_snapshot(self.layers[i], args, kwargs, self._cache_warned)
-            return self._ckpt(replays_on_snapshot(run, fresh), *args, **kwargs)  # Note: [cache in recompute]
+            return self._ckpt(i, replays_on_snapshot(run, fresh), *args, **kwargs)  # Note: [cache in recompute]
         return forward
 
     def _group_head(self, group: list[int]) -> Callable[..., Any]:
@@ -300,7 +307,7 @@ class Executor(OpLevelPaths):
                                                                                          _first_tensor(out)))
                 return out
             args, kwargs, fresh = cache_snapshot(self.layers[group[0]], args, kwargs, self._cache_warned)
-            outs = self._ckpt(replays_on_snapshot(run, fresh), *args, **kwargs)
+            outs = self._ckpt(group[0], replays_on_snapshot(run, fresh), *args, **kwargs)
             for k, j in enumerate(group[1:]):
                 member_args, member_kwargs = _with_hidden(args, kwargs, _first_tensor(outs[k]))
                 self._group_outputs[j] = (_first_tensor(outs[k]), outs[k + 1], member_args, member_kwargs)
@@ -346,6 +353,15 @@ class Executor(OpLevelPaths):
 
     # ================================================================== hooks
     def _enter(self, module: nn.Module, args: Any) -> None:
+        # Note: [collective units]: a module's layout hooks (registered before or after the plan) run inside it;
+        # only DTensor layout modules are reordered (FSDP2's own hooks must keep their order)
+        layout = self._layouts.get(id(module))
+        if layout is None:
+            layout = self._layouts[id(module)] = any(True for _ in layout_styles(module))
+        if layout:
+            hooks, leave = module._forward_hooks, self._leave_ids[id(module)]
+            if leave in hooks:
+                hooks.move_to_end(leave)
         self.namer.enter(module)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:

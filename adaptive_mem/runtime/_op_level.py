@@ -49,9 +49,9 @@ from search._plan import Action, Plan, matches
 
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
-from ._resolve import OUTSIDE_BEFORE, Resolution, decide
+from ._resolve import OUTSIDE_BEFORE, Resolution, decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
-from ._swap_engine import Packed, SwapEngine, backs_parameter
+from ._swap_engine import Packed, SwapEngine, backs_parameter, local_shard
 
 __all__ = ["OpLevelPaths", "SacLayer", "eager_only", "outside_dynamo"]
 
@@ -135,7 +135,7 @@ class _Tracker(TorchDispatchMode):
         if info is not None:
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    st = t.untyped_storage()
+                    st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
                     ex._producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
         return out
 
@@ -293,6 +293,11 @@ class OpLevelPaths:
     def _prepare_sac(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
                      kwargs: dict) -> None:
         state.trace = trace = trace_layer(layer, forward, state.counter, args, kwargs)
+        prefix = self.namer.layers.layer_path(state.index) + "." if self.namer.layers else ""
+        for target in (t for t in self.plan.decisions if t.startswith(prefix) and is_collective_unit(t)):
+            if not any(matches(target, u) for u in trace.units):
+                log.warning("plan target %s: layer %d issues no such collective (no tensor-parallel layout here); "
+                            "it decides nothing", target, state.index)  # Note: [collective units]
         actions = {u: decide(self.plan, u).action for u in trace.units}
         for unit in trace.units:
             if actions[unit] is Action.SWAP:
@@ -311,7 +316,7 @@ class OpLevelPaths:
 
         state.policy = SacPolicy(state.counter, trace,
                                  lambda unit: state.actions.get(unit) or decide(self.plan, unit).action.value,
-                                 on_swap_output)
+                                 on_swap_output, cached=kept_collectives(self.plan, trace.units))
 
     def _swap_cache_entries(self, state: SacLayer, fwd_ctx: Any) -> None:
         """Offload the selective-checkpoint cache slots holding outputs of swap units (private SAC storage:
@@ -352,7 +357,7 @@ class OpLevelPaths:
             t = t.detach()  # Note: [pack without a cycle] in memory/_swap_manager.py
         if not self._producer or isinstance(t, nn.Parameter):
             return t
-        st = t.untyped_storage()
+        st = local_shard(t).untyped_storage()
         info = self._producer.get(st._cdata)
         if info is None or info[0]() is not st:
             return t

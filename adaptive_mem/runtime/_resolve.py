@@ -16,15 +16,15 @@ import torch
 from torch import nn
 
 from profiler._profile import Profile, ProfileError
-from profiler._units import LayerInfo, find_layers, join, leaf_label
+from profiler._units import COLLECTIVE_LABELS, LayerInfo, find_layers, join, leaf_label
 from search._model import StepModel
 from search._plan import Action, Decision, Plan, PlanError, matches
 from search._simulator import Assignment, segments
 
 from adaptive_mem.runtime._functions import function_labels
 
-__all__ = ["LayerMode", "Resolution", "resolve_plan", "decide", "log_plan", "OUTSIDE_BEFORE", "PlanSummary",
-           "summarize"]
+__all__ = ["LayerMode", "Resolution", "resolve_plan", "decide", "is_collective_unit", "kept_collectives", "log_plan",
+           "OUTSIDE_BEFORE", "PlanSummary", "summarize"]
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,18 @@ def decide(plan: Plan, unit: str) -> Decision:
     return plan.decisions[best[0]]
 
 
+def is_collective_unit(name: str) -> bool:
+    """``layers.0.attention.wo.all_reduce``, ``..._1``: a collective's unit (Note: [collective units])."""
+    return re.sub(r"_\d+$", "", name.rpartition(".")[2]) in COLLECTIVE_LABELS
+
+
+def kept_collectives(plan: Plan, units: Iterable[str]) -> frozenset[str]:
+    """Collective units a target decides ``keep`` (not the default keep of unmatched units): their outputs are
+    cached in an op-level layer, so its replay does not issue them again (tests/test_parallel_comm.py)."""
+    return frozenset(u for u in units if is_collective_unit(u) and decide(plan, u).action is Action.KEEP
+                     and any(matches(t, u) for t in plan.decisions))
+
+
 def _is_op_label(label: str) -> bool:
     """``add``, ``add_1``, ``matmul``, ``flash_attention``...: labels the unit namer gives aten ops."""
     if not _LABEL.match(label):
@@ -112,6 +124,9 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         if target in modules or target in leaves or (known_units is not None and target in known_units):
             continue
         head, _, label = target.rpartition(".")
+        if known_units is None and is_collective_unit(target) and (head in modules or head == ""):
+            provisional.append(target)  # Note: [collective units]: a layout's collectives exist only under it
+            continue
         if known_units is None and (head in inner or head == "") and (
                 _is_op_label(label) or re.sub(r"_\d+$", "", label) in function_labels()):
             provisional.append(target)

@@ -112,12 +112,26 @@ def _devices(tensors: list[Any]) -> list[int]:
     return sorted({t.device.index or 0 for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"})
 
 
+class _RealPass(Exception):
+    """The layer is traced on real tensors at once."""
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
+
+
 def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, args: tuple,
                 kwargs: dict) -> LayerTrace:
     """Run the layer call ``forward(*args, **kwargs)`` (``forward``: ``layer``'s own forward) once on a
     throw-away clone of ``layer`` (Note: [throw-away clone]) and record units, consumers and which op
     outputs autograd saves: on fake tensors, else (data-dependent ops) on real ones, parameters aliased
-    read-only, buffers copied, RNG state restored."""
+    read-only, buffers copied, RNG state restored.
+
+    Note: [tensor-parallel trace] a layer with DTensor parameters (``parallelize_module``) is traced on real
+    tensors with its layout hooks (``clone_module(layout_hooks=True)``), so the pass sees the ops the policy
+    sees: DTensor-level ops and the layout's collectives. The pass runs those collectives once, on every rank
+    of the group at the same layer call (each rank prepares the layer at its first call with grad), so the
+    ranks stay in step (tests/test_parallel_exec.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from adaptive_mem.config._names import clone_module, fake_clone, rebind
@@ -139,7 +153,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
                 if o in namer.leaves:
                     namer.leaves.add(id(c))
                     namer.labels[id(c)] = namer.labels[o]
-            c.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            c.register_forward_pre_hook(lambda m, a: namer.enter(m), prepend=True)  # Note: [collective units]
             c.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
         trace = LayerTrace()
         saved.clear()
@@ -160,6 +174,8 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
     tensors = tree_flatten((args, kwargs))[0] + list(layer.parameters())
     with _disable_current_modes(), torch.random.fork_rng(devices=_devices(tensors)):
         try:
+            if any(_is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
+                raise _RealPass("DTensor parameters (tensor parallel)")
             fake = FakeTensorMode(allow_non_fake_inputs=True)
             clone, originals = fake_clone(layer, fake)
             fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
@@ -172,7 +188,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
                      type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
             versions = [(p, p._version) for p in layer.parameters()]
             clone, originals = clone_module(layer, lambda t, is_param: nn.Parameter(
-                t.detach(), requires_grad=t.requires_grad) if is_param else t.detach().clone())
+                t.detach(), requires_grad=t.requires_grad) if is_param else t.detach().clone(), layout_hooks=True)
             rargs, rkwargs = tree_map(lambda x: x.detach().requires_grad_(x.requires_grad)
                                       if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
             recorder = run_on(clone, originals, rargs, rkwargs)
@@ -190,7 +206,9 @@ class SacPolicy:
     """The policy function of one layer; ``action(unit)`` gives the unit's resolved action."""
 
     def __init__(self, counter: OpCounter, trace: LayerTrace, action: Callable[[str], str],
-                 on_swap_output: Callable[[Any, str], None]) -> None:
+                 on_swap_output: Callable[[Any, str], None], cached: frozenset[str] = frozenset()) -> None:
+        self.cached = cached
+        """Collective units a plan keeps by name: their outputs are cached, the replay does not re-issue them."""
         self.counter = counter
         self.trace = trace
         self.action = action
@@ -207,6 +225,6 @@ class SacPolicy:
             if not ctx.is_recompute:
                 self.on_swap_output(ctx.op_output, key[0])
             return CheckpointPolicy.MUST_SAVE
-        if key in self.trace.saved_ops:
+        if key in self.trace.saved_ops or key[0] in self.cached:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE

@@ -38,7 +38,7 @@ from ._copier import Copy, make_copier
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
-__all__ = ["SwapEngine", "SwapStats", "Packed", "backs_parameter"]
+__all__ = ["SwapEngine", "SwapStats", "Packed", "backs_parameter", "local_shard"]
 
 
 def backs_parameter(storage: torch.UntypedStorage, module: Any) -> bool:
@@ -50,6 +50,11 @@ def backs_parameter(storage: torch.UntypedStorage, module: Any) -> bool:
     key = storage._cdata
     return any(p.untyped_storage()._cdata == key for p in module.parameters())
 
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (what its rank holds), any other tensor itself (Note: [DTensor swap])."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) and type(t).__name__ == "DTensor" else t
 
 log = logging.getLogger(__name__)
 
@@ -216,9 +221,10 @@ class _Record:
 class Packed:
     """What autograd holds instead of a swapped saved tensor."""
 
-    __slots__ = ("record", "dtype", "size", "stride", "offset", "__weakref__")
+    __slots__ = ("record", "dtype", "size", "stride", "offset", "dtensor", "__weakref__")
 
-    def __init__(self, record: _Record, t: torch.Tensor) -> None:
+    def __init__(self, record: _Record, t: torch.Tensor, dtensor: Any = None) -> None:
+        self.dtensor = None if dtensor is None else (dtensor._spec, dtensor.requires_grad)
         self.record = record
         self.dtype = t.dtype
         self.size = t.size()
@@ -229,7 +235,13 @@ class Packed:
     def unpack(self) -> torch.Tensor:
         storage = self.record.storage()
         out = torch.empty(0, dtype=self.dtype, device=self.record.device)
-        return out.set_(storage, self.offset, self.size, self.stride)
+        out = out.set_(storage, self.offset, self.size, self.stride)
+        if self.dtensor is None:
+            return out
+        from torch.distributed.tensor import DTensor
+
+        spec, requires_grad = self.dtensor
+        return DTensor(out, spec, requires_grad=requires_grad)
 
     def __del__(self) -> None:
         record = self.record
@@ -275,19 +287,24 @@ class SwapEngine:
         self._by_storage.clear()
 
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
-        """Start copying ``t``'s storage to the host; returns the handle autograd keeps."""
+        """Start copying ``t``'s storage to the host; returns the handle autograd keeps.
+
+        Note: [DTensor swap] a DTensor's local shard is what is copied (its own storage is an empty wrapper); the
+        unpack wraps the reloaded shard in the same layout (tests/test_parallel_exec.py: offloaded bytes are the
+        local shards' bytes)."""
+        dtensor, t = (t, local_shard(t)) if local_shard(t) is not t else (None, t)
         st = t.untyped_storage()
         key = st._cdata
         known = self._by_storage.get(key)
         if known is not None and known[0]() is not None:
-            return Packed(known[1], t)  # Note: [swap by storage]: saved twice or another view
+            return Packed(known[1], t, dtensor)  # Note: [swap by storage]: saved twice or another view
         record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
         self._by_storage[key] = (weakref.ref(st), record)
         if prefetch > 0:
             trigger = min(layer + prefetch, self.num_layers)
             self._pending.setdefault(trigger, []).append(weakref.ref(record))
-        return Packed(record, t)
+        return Packed(record, t, dtensor)
 
     # ------------------------------------------------------------------ backward
     def on_backward(self, layer: int) -> None:

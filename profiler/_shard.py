@@ -1,0 +1,186 @@
+"""One rank's share of a profiled step under a parallel layout (:class:`profiler.Layout`), without the ranks.
+
+A whole-model profile (fake tensors are enough) is cut to what one tensor-parallel rank runs, the
+way Megatron shards a transformer (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4). Note: [TP roles]: each unit gets a role from the unit graph
+in forward order: a linear (``nn.Linear`` / HF ``Conv1D``) whose inputs are all replicated is
+*column*-parallel (its output is split over the TP ranks); a linear fed by a split tensor is
+*row*-parallel (its output is whole again after an all-reduce); any other unit is *sharded* when one
+of its inputs is split, else *replicated*. Split units keep 1/TP of their bytes, FLOPs and time;
+replicated ones keep all of them, or 1/TP under sequence parallel when they carry the sequence
+(inside the layers, after them, and the embedding). Each row-parallel linear is followed by a
+collective unit (``tp_all_reduce``, or ``tp_allgather_reducescatter`` under SP: the same bytes)
+timed on the interconnect at ``2 (t - 1) / t * bytes / bandwidth`` in forward and again in backward
+(the all-reduce of the column-parallel input gradient). The logits' column-parallel backward
+all-reduce is not modelled (one per step).
+
+Static memory per rank (``rank_static``): the bytes of TP-shardable modules (linears, embeddings)
+divided by TP; under ZeRO-1/2/3 over DP the optimizer state, then the gradients, then the parameters
+divided by DP; under ZeRO-3 the unsharded parameters of the layer in flight (its other DP shards,
+gathered for its forward and backward) are held beside them: recorded in ``buffers``, which pipeline
+stage splits do not scale.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from torch import nn
+
+from ._layout import Layout
+from ._profile import OpRecord, Profile, StaticMemory, UnitRecord
+from ._units import LayerInfo
+
+__all__ = ["ParameterSplit", "parameter_split", "rank_static", "shard_profile", "tp_roles", "collective_time"]
+
+_LINEARS = ("Linear", "Conv1D", "NonDynamicallyQuantizableLinear")
+_SHARDABLE = (*_LINEARS, "Embedding")
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    linears: frozenset[str]
+    """Module paths of the linears (their matmul units get TP roles)."""
+    shardable: int
+    """Parameter bytes of modules TP splits (linears, embeddings)."""
+    total: int
+    """All parameter bytes."""
+    layer: int
+    """Parameter bytes of the largest layer on one TP rank (what ZeRO-3 gathers for the layer in flight)."""
+
+
+def parameter_split(model: nn.Module, layers: LayerInfo | None, *, tensor_parallel: int) -> ParameterSplit:
+    """What of ``model``'s parameters tensor parallelism splits (read from its module types)."""
+    linears, shardable, seen = set(), 0, set()
+    per_layer: dict[int, float] = defaultdict(float)
+    for name, module in model.named_modules():
+        kind = type(module).__name__
+        if kind in _LINEARS:
+            linears.add(name)
+        for p in module.parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            nbytes = p.numel() * p.element_size()
+            split = kind in _SHARDABLE
+            shardable += nbytes if split else 0
+            index = layers.split(name)[0] if layers is not None else None
+            if index is not None:
+                per_layer[index] += nbytes / tensor_parallel if split else nbytes
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    return ParameterSplit(frozenset(linears), shardable, total, int(max(per_layer.values(), default=0)))
+
+
+def collective_time(nbytes: int, *, ranks: int, bandwidth: float, kind: str = "all_reduce") -> float:
+    """Ring time of a collective over ``ranks`` on ``bandwidth`` bytes/s (bus bandwidth, per direction):
+    all-reduce moves ``2 (r - 1) / r`` of the bytes, all-gather and reduce-scatter ``(r - 1) / r``."""
+    if ranks <= 1 or nbytes <= 0:
+        return 0.0
+    if bandwidth <= 0:
+        raise ValueError(f"interconnect bandwidth={bandwidth!r}: expected > 0 bytes/s for a {ranks}-rank {kind}")
+    factor = 2.0 if kind == "all_reduce" else 1.0
+    return factor * (ranks - 1) / ranks * nbytes / bandwidth
+
+
+def tp_roles(profile: Profile, linears: frozenset[str]) -> dict[str, str]:
+    """Unit name -> ``column``, ``row``, ``sharded`` or ``replicated`` (Note: [TP roles])."""
+    producers: dict[str, list[str]] = defaultdict(list)
+    for unit in profile.units:
+        for consumer in unit.consumers:
+            producers[consumer].append(unit.name)
+    roles: dict[str, str] = {}
+    for unit in profile.units:
+        split = any(roles.get(p) in ("column", "sharded") for p in producers[unit.name])
+        modules = {profile.ops[i].module for i in unit.ops}
+        if len(modules) == 1 and next(iter(modules)) in linears:
+            roles[unit.name] = "row" if split else "column"
+        else:
+            roles[unit.name] = "sharded" if split else "replicated"
+    return roles
+
+
+def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit) -> StaticMemory:
+    """One rank's parameters, gradients and optimizer state (before the pipeline split by stage)."""
+    t, d, z = layout.tensor_parallel, layout.data_parallel, layout.zero
+    scale = (split.shardable / t + split.total - split.shardable) / split.total if split.total else 1.0
+    params, grads, state = static.parameters * scale, static.gradients * scale, static.optimizer_state * scale
+    state /= d if z >= 1 else 1
+    grads /= d if z >= 2 else 1
+    gathered = 0
+    if z >= 3:
+        params /= d
+        gathered = int(split.layer * (d - 1) / d)
+    return replace(static, parameters=int(params), gradients=int(grads), optimizer_state=int(state),
+                   buffers=static.buffers + gathered)
+
+
+def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float) -> Profile:
+    """The profile of one rank under ``layout`` (its pipeline stage is cut later, by the search), with the
+    layout recorded in ``model.layout``."""
+    t = layout.tensor_parallel
+    roles = tp_roles(profile, split.linears) if t > 1 else {}
+    seq_from = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
+
+    def factor(index: int, unit: UnitRecord) -> float:
+        role = roles.get(unit.name, "replicated")
+        if role != "replicated":
+            return 1.0 / t
+        carries_sequence = index >= seq_from or any(
+            profile.ops[i].op.startswith("aten.embedding") for i in unit.ops)
+        return 1.0 / t if layout.sequence_parallel and carries_sequence else 1.0
+
+    ops: list[OpRecord] = []
+    units: list[UnitRecord] = []
+    remap: dict[int, int] = {}
+    after: dict[str, str] = {}  # row-parallel unit -> its collective unit
+    pending: list[tuple[int, list[int]]] = []  # new op index -> old consumer indices
+    name = "tp_allgather_reducescatter" if layout.sequence_parallel else "tp_all_reduce"
+    for index, unit in enumerate(profile.units):
+        f = factor(index, unit)
+        new_ids = []
+        for i in unit.ops:
+            op = profile.ops[i]
+            remap[i] = len(ops)
+            new_ids.append(len(ops))
+            pending.append((len(ops), op.consumers))
+            ops.append(replace(op, index=len(ops), output_bytes=int(op.output_bytes * f),
+                               saved_bytes=int(op.saved_bytes * f), fwd_time=op.fwd_time * f,
+                               bwd_time=op.bwd_time * f, flops=int(op.flops * f)))
+        units.append(_sum_unit(unit, [ops[k] for k in new_ids], new_ids))
+        if roles.get(unit.name) == "row":
+            seconds = collective_time(unit.output_bytes, ranks=t, bandwidth=interconnect)
+            last = profile.ops[unit.ops[-1]]
+            coll_name = f"{last.module}.{name}" if last.module else name
+            local = unit.local_name.rsplit(".", 1)[0] + f".{name}" if "." in unit.local_name else name
+            pending.append((len(ops), profile.ops[unit.ops[-1]].consumers))
+            ops.append(OpRecord(index=len(ops), op=f"c10d.{name.removeprefix('tp_')}", unit=coll_name,
+                                module=last.module, layer=unit.layer, output_bytes=0, saved_bytes=0,
+                                fwd_time=seconds, bwd_time=seconds, flops=0))
+            units.append(UnitRecord(name=coll_name, local_name=local, layer=unit.layer, ops=[len(ops) - 1],
+                                    output_bytes=0, saved_bytes=0, fwd_time=seconds, bwd_time=seconds,
+                                    consumers=list(unit.consumers)))
+            after[unit.name] = coll_name
+    for k, old in pending:
+        ops[k] = replace(ops[k], consumers=sorted({remap[c] for c in old if c in remap and remap[c] > k}))
+    units = [replace(u, consumers=[after[u.name]]) if u.name in after else u for u in units]
+    static = rank_static(profile.static, layout=layout, split=split)
+    act_old = sum(u.saved_bytes for u in profile.units)
+    boundary = max(0, profile.peak_memory - (profile.static.total - profile.static.gradients)
+                   - profile.saved_input_bytes - act_old)
+    act_new = sum(u.saved_bytes for u in units)
+    peak = (static.total - static.gradients) + profile.saved_input_bytes + act_new + boundary // t
+    model = {**profile.model, "layout": layout.to_dict(),
+             "interconnect_bandwidth": interconnect}
+    step = profile.step_time + sum(o.fwd_time + o.bwd_time for o in ops) \
+        - sum(o.fwd_time + o.bwd_time for o in profile.ops)
+    touched = profile.static.total - profile.static.buffers  # the optimizer step reads and writes these
+    ratio = (static.total - static.buffers) / touched if touched else 1.0
+    return replace(profile, model=model, ops=ops, units=units, static=static, peak_memory=int(peak),
+                   step_time=max(0.0, step), optimizer_time=profile.optimizer_time * ratio)
+
+
+def _sum_unit(unit: UnitRecord, ops: list[OpRecord], ids: list[int]) -> UnitRecord:
+    return replace(unit, ops=ids, output_bytes=sum(o.output_bytes for o in ops),
+                   saved_bytes=sum(o.saved_bytes for o in ops), fwd_time=sum(o.fwd_time for o in ops),
+                   bwd_time=sum(o.bwd_time for o in ops))

@@ -1,0 +1,87 @@
+"""Pipeline schedules: micro-batches whose activations a pipeline rank holds at its peak.
+
+One function per schedule, each ``(layout) -> counts`` with ``counts[stage][chunk]`` = the
+micro-batches of that model chunk whose forward has run and whose backward has not, at the rank's
+peak (right before its first backward: from then on every forward is paired with a backward).
+Model chunk ``c`` of rank ``s`` is pipeline chunk ``c * P + s`` (Megatron's virtual pipeline order).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from profiler._layout import Layout
+
+__all__ = ["SCHEDULE_COUNTS", "in_flight", "in_flight_1f1b", "in_flight_gpipe", "in_flight_interleaved",
+           "chunk_layers", "pipeline_step_time"]
+
+
+def in_flight_gpipe(layout: Layout) -> list[list[int]]:
+    """GPipe: every forward before any backward, so each stage holds all ``M`` micro-batches."""
+    return [[layout.micro_batches] for _ in range(layout.pipeline_stages)]
+
+
+def in_flight_1f1b(layout: Layout) -> list[list[int]]:
+    """1F1B (PipeDream-flush): stage ``s`` runs ``P - s - 1`` warm-up forwards, then one more before its
+    first backward: ``min(P - s, M)`` micro-batches in flight."""
+    p, m = layout.pipeline_stages, layout.micro_batches
+    return [[min(p - s, m)] for s in range(p)]
+
+
+def in_flight_interleaved(layout: Layout) -> list[list[int]]:
+    """Interleaved 1F1B with ``V`` chunks per rank (Narayanan et al., SC'21, section 2.2.2).
+
+    Megatron-LM ``megatron/core/pipeline_parallel/schedules.py``,
+    ``forward_backward_pipelining_with_interleaving``: rank ``s`` runs
+    ``warmup = min((P - s - 1) * 2 + (V - 1) * P, M * V)`` forwards, then (if any are left) one more
+    before its first backward; forward ``k`` is of chunk ``(k // P) % V`` (micro-batches go in groups
+    of ``P`` per chunk). So rank ``s`` holds ``min(warmup + 1, M * V)`` chunk-micro-batches, the first
+    rank the most: ``P * V + P - 1`` when ``M >= P``, i.e. ``1 + (P - 1) / (P * V)`` times 1F1B's ``P``
+    micro-batches of its layers (Korthikanti et al. 2022, section 4.2.3).
+    """
+    p, v, m = layout.pipeline_stages, layout.virtual_pipeline_stages, layout.micro_batches
+    out = []
+    for s in range(p):
+        warmup = min((p - s - 1) * 2 + (v - 1) * p, m * v)
+        forwards = min(warmup + 1, m * v)
+        counts = [0] * v
+        for k in range(forwards):
+            counts[(k // p) % v] += 1
+        out.append(counts)
+    return out
+
+
+SCHEDULE_COUNTS: dict[str, Callable[[Layout], list[list[int]]]] = {
+    "gpipe": in_flight_gpipe, "1f1b": in_flight_1f1b, "interleaved-1f1b": in_flight_interleaved,
+}
+
+
+def in_flight(layout: Layout) -> list[list[int]]:
+    """``counts[stage][chunk]`` for the layout's schedule."""
+    return SCHEDULE_COUNTS[layout.schedule](layout)
+
+
+def chunk_layers(num_layers: int, layout: Layout) -> list[list[range]]:
+    """``ranges[stage][chunk]``: global layer indices of each model chunk; layers split evenly over the
+    ``P * V`` pipeline chunks in order, earlier chunks taking the remainder."""
+    chunks = layout.chunks
+    bounds, start = [], 0
+    for c in range(chunks):
+        size = num_layers // chunks + (1 if c < num_layers % chunks else 0)
+        bounds.append(range(start, start + size))
+        start += size
+    p = layout.pipeline_stages
+    return [[bounds[c * p + s] for c in range(layout.virtual_pipeline_stages)] for s in range(p)]
+
+
+def pipeline_step_time(stage_times: list[float], layout: Layout, *, other: float = 0.0,
+                       exposed_comm: float = 0.0) -> float:
+    """Seconds of one step of ``M`` micro-batches, ``stage_times[s]`` = forward + recompute + backward of
+    one micro-batch through rank ``s`` (all its chunks). The slowest rank sets the steady state; the
+    fill and drain bubble is the sum over ranks, ``V`` times shorter under interleaving (Narayanan et
+    al. SC'21, eq. for the bubble ``(P - 1) / (V * M)``); GPipe and 1F1B share the bubble.
+    ``other``: optimizer step; ``exposed_comm``: collective time not hidden behind compute."""
+    m, v = layout.micro_batches, layout.virtual_pipeline_stages
+    slowest = max(stage_times)
+    bubble = (sum(stage_times) - slowest) / v
+    return m * slowest + bubble + other + exposed_comm
