@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import socket
@@ -30,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-import types
 from dataclasses import replace
 from typing import Any
 
@@ -48,30 +46,6 @@ def _bundle(args: argparse.Namespace, batch: int):
 
     extra = {"num_layers": args.layers} if args.layers else None
     return build_model(args.model, seed=0, model_args=extra, batch_size=batch, seq_len=args.seq_len)
-
-
-class Stage(nn.Module):
-    """Layers ``lo..hi-1`` of a reference Llama; the embedding on the first stage, norm and head on the last."""
-
-    def __init__(self, model: nn.Module, lo: int, hi: int) -> None:
-        super().__init__()
-        self.rope = functools.partial(type(model)._rope_tables, types.SimpleNamespace(config=model.config))
-        self.tok_embeddings = model.tok_embeddings if lo == 0 else None
-        self.layers = nn.ModuleList(model.layers[lo:hi])
-        last = hi == len(model.layers)
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        with torch.no_grad():
-            cos, sin = self.rope(h.shape[1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        if self.output is not None:
-            h = self.output(self.norm(h))
-        return h
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -123,6 +97,8 @@ def _pp_run(rank: int, args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     b = _bundle(args, args.batch_size * args.micro_batches)
     batches = [b.batch(seed=i) for i in range(args.steps)]
     n = len(b.model.layers)
+    from adaptive_mem.models._parallelize import Stage
+
     module = Stage(b.model, *((0, n // 2) if rank == 0 else (n // 2, n)))
     del b  # the rest of the model is not this rank's: it must not count in the rank's memory
     handle = optimize(module, plan=plan)

@@ -8,9 +8,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 from adaptive_mem import optimize
+from adaptive_mem.models._parallelize import Stage
 
 __all__ = ["STAGE_PLANS", "pipeline_parallel"]
 
@@ -27,30 +27,6 @@ STAGE_PLANS = [  # each stage module its own (local names: every stage's layers 
     {"layers.0.attention.flash_attention": "recompute", "layers.1.feed_forward": _swap(0)},
     {"layers": _swap(1)},
 ]
-
-
-class Stage(nn.Module):
-    """Layers ``lo..hi-1`` of a llama-tiny, with the embedding on the first stage and the head on the last."""
-
-    def __init__(self, model: nn.Module, lo: int, hi: int) -> None:
-        super().__init__()
-        self.rope = model._rope_tables
-        self.tok_embeddings = model.tok_embeddings if lo == 0 else None
-        self.layers = nn.ModuleList(model.layers[lo:hi])
-        last = hi == len(model.layers)
-        self.norm = model.norm if last else None
-        self.output = model.output if last else None
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
-        with torch.no_grad():
-            cos, sin = self.rope(h.shape[1], device=h.device, dtype=h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        if self.output is not None:
-            h = self.output(self.norm(h))
-        return h
 
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

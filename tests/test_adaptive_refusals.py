@@ -7,13 +7,10 @@ from __future__ import annotations
 import datetime
 import logging
 import re
-import socket
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from adaptive_mem.cli import main as cli_main
@@ -21,6 +18,7 @@ from adaptive_mem import AdaptiveBudgetError, DeviceMemory, adaptive_optimize
 from adaptive_mem.runtime._accounting import host_allocations
 
 from _adaptive_common import bundle, optimizer
+from _spawn import spawn_ranks
 
 STEPS = 3
 TIMEOUT = 240  # seconds: every collective, and the whole spawned test
@@ -161,26 +159,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("ranks")
-    context = mp.spawn(_worker, args=(2, _free_port(), str(out)), nprocs=2, join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2 gloo ranks still running after {2 * TIMEOUT} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return spawn_ranks(_worker, out=out, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("wrapper, what", [("ddp", "DDP gradient buckets"),

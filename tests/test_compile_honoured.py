@@ -20,6 +20,8 @@ from torch._dynamo.utils import counters
 from adaptive_mem import build_model, optimize
 from search import Plan, PlanError
 
+from _compile_common import compiled_step
+
 BACKEND = "aot_eager"
 LAYERS = 2  # llama-tiny with 2 layers: whole-model compiles stay within seconds on 2 cores
 SWAP = {"action": "swap", "backward_prefetch": 1}
@@ -61,15 +63,7 @@ def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
     return model
 
 
-def _step(model, call, batch) -> dict[str, torch.Tensor]:
-    ids, labels = batch
-    for p in model.parameters():
-        p.grad = None
-    loss = torch.nn.functional.cross_entropy(call(ids).flatten(0, 1), labels.flatten())
-    loss.backward()
-    grads = {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
-    grads["loss"] = loss.detach()
-    return grads
+_step = compiled_step
 
 
 def _fresh():

@@ -22,6 +22,8 @@ from adaptive_mem import ConfigError, DeviceMemory, build_model, optimize
 from adaptive_mem.cli._main import main
 from search import Plan
 
+from _compile_common import compiled_step
+
 LAYERS = 2
 SWAP = {"layers": {"action": "swap", "backward_prefetch": 1}}
 WHOLE_WHY = ("adaptive_mem: swap of the whole model runs outside the compiled region: a whole-model graph hands its "
@@ -46,15 +48,7 @@ def _blocks(model, backend: str = "aot_eager"):
     return model
 
 
-def _step(model, call, batch) -> dict[str, torch.Tensor]:
-    ids, labels = batch
-    for p in model.parameters():
-        p.grad = None
-    loss = torch.nn.functional.cross_entropy(call(ids).flatten(0, 1), labels.flatten())
-    loss.backward()
-    grads = {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
-    grads["loss"] = loss.detach()
-    return grads
+_step = compiled_step
 
 
 def _graphs() -> tuple[int, int]:

@@ -5,39 +5,22 @@ gradient is ``torch.equal`` to the DDP run without the loop, and the plan cache 
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _parallel_adaptive_cases import STEPS, TIMEOUT, worker  # noqa: E402
+from _spawn import spawn_ranks  # noqa: E402
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out, cache = tmp_path_factory.mktemp("ranks"), tmp_path_factory.mktemp("cache")
-    context = mp.spawn(worker, args=(2, _free_port(), str(out), str(cache)), nprocs=2, join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2 gloo ranks still running after {2 * TIMEOUT} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return spawn_ranks(worker, str(cache), out=out, timeout=TIMEOUT)
 
 
 def _case(ranks: list[dict], name: str) -> list[dict]:

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import sys
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _parallel_comm import KEEP_COMMS, TIMEOUT, worker  # noqa: E402
+from _spawn import free_port, spawn_ranks  # noqa: E402
 
 from adaptive_mem import build_model, optimize  # noqa: E402
 from search import Plan  # noqa: E402
@@ -26,26 +24,11 @@ from search import Plan  # noqa: E402
 BYTES = 2 * 16 * 64 * 4  # one replicated hidden-state tensor of llama-tiny here: batch 2, seq 16, hidden 64, fp32
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("comm")
-    context = mp.spawn(worker, args=(2, _free_port(), str(out)), nprocs=2, join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT
-    try:
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2 gloo ranks still running after {2 * TIMEOUT} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return spawn_ranks(worker, out=out, timeout=TIMEOUT)
 
 
 def _exact(ranks: list[dict], name: str) -> list[dict]:
@@ -150,7 +133,7 @@ def test_distribute_saved_activations_without_tensor_parallel_warns_and_keeps_th
     plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {"layers": "recompute"},
                            "distribute_saved_activations": True})
     dc._warned.clear()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with caplog.at_level(logging.WARNING, logger="adaptive_mem"), optimize(got.model, plan=plan):
             for _ in range(2):

@@ -6,42 +6,24 @@ every gradient (each rank's local shard) are ``torch.equal`` to the same layout 
 from __future__ import annotations
 
 import os
-import socket
 import sys
-import time
 
 import pytest
-import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 from _parallel_cases import PLANS, TIMEOUT, worker  # noqa: E402
+from _spawn import spawn_ranks  # noqa: E402
 
 GROUPS = ["ddp", "fsdp", "tp", "sp", "pp"]
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("parallel")
     groups = os.environ.get("PARALLEL_EXEC_GROUPS", ",".join(GROUPS)).split(",")
-    context = mp.spawn(worker, args=(2, _free_port(), str(out), groups), nprocs=2, join=False)
-    deadline = time.monotonic() + 2 * TIMEOUT
-    try:
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                pytest.fail(f"2 gloo ranks still running after {2 * TIMEOUT} s")
-    finally:
-        for p in context.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(2)]
+    return spawn_ranks(worker, groups, out=out, timeout=TIMEOUT)
 
 
 def _exact(ranks: list[dict], name: str) -> list[dict]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from functools import partial
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -71,7 +72,8 @@ class Stage(nn.Module):
 
     def __init__(self, model: nn.Module, lo: int, hi: int) -> None:
         super().__init__()
-        self.rope = model._rope_tables
+        # the bound method would keep the whole model (every other stage's layers) alive on this rank
+        self.rope = partial(type(model)._rope_tables, SimpleNamespace(config=model.config))
         self.tok_embeddings = model.tok_embeddings if lo == 0 else None
         self.layers = nn.ModuleList(model.layers[lo:hi])
         last = hi == len(model.layers)

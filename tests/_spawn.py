@@ -1,0 +1,39 @@
+"""Spawning gloo ranks in tests: a free local port, a deadline on the whole spawn, results read back per rank.
+
+Every worker sets its own timeout on each collective (``init_process_group(timeout=...)``); the spawn gets
+twice that, then its processes are killed and the test fails.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["free_port", "spawn_ranks"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(worker: Callable[..., Any], *args: Any, out: Path, timeout: float, nprocs: int = 2) -> list[Any]:
+    """Run ``worker(rank, nprocs, port, str(out), *args)`` on ``nprocs`` ranks; each writes ``out/rank{r}.pt``."""
+    context = mp.spawn(worker, args=(nprocs, free_port(), str(out), *args), nprocs=nprocs, join=False)
+    deadline = time.monotonic() + 2 * timeout
+    try:
+        while not context.join(timeout=2):
+            if time.monotonic() > deadline:
+                pytest.fail(f"{nprocs} gloo ranks still running after {2 * timeout} s")
+    finally:
+        for p in context.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
