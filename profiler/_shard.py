@@ -9,7 +9,8 @@ in forward order: a linear (``nn.Linear`` / HF ``Conv1D``) whose inputs are all 
 of its inputs is split, else *replicated*. Split units keep 1/TP of their bytes, FLOPs and time;
 replicated ones keep all of them, or 1/TP under sequence parallel when they carry the sequence
 (inside the layers, after them, and the embedding). Each row-parallel linear is followed by a
-collective unit (``tp_all_reduce``, or ``tp_allgather_reducescatter`` under SP: the same bytes)
+collective unit named as a real tensor-parallel rank names it (``<linear>.all_reduce``, or
+``<linear>.reduce_scatter`` under SP, which here also carries the time of the SP all-gather: the same bytes)
 timed on the interconnect at ``2 (t - 1) / t * bytes / bandwidth`` in forward and again in backward
 (the all-reduce of the column-parallel input gradient). The logits' column-parallel backward
 all-reduce is not modelled (one per step).
@@ -135,7 +136,7 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
     remap: dict[int, int] = {}
     after: dict[str, str] = {}  # row-parallel unit -> its collective unit
     pending: list[tuple[int, list[int]]] = []  # new op index -> old consumer indices
-    name = "tp_allgather_reducescatter" if layout.sequence_parallel else "tp_all_reduce"
+    name = "reduce_scatter" if layout.sequence_parallel else "all_reduce"  # the names a real TP rank gives them
     for index, unit in enumerate(profile.units):
         f = factor(index, unit)
         new_ids = []
@@ -154,7 +155,7 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
             coll_name = f"{last.module}.{name}" if last.module else name
             local = unit.local_name.rsplit(".", 1)[0] + f".{name}" if "." in unit.local_name else name
             pending.append((len(ops), profile.ops[unit.ops[-1]].consumers))
-            ops.append(OpRecord(index=len(ops), op=f"c10d.{name.removeprefix('tp_')}", unit=coll_name,
+            ops.append(OpRecord(index=len(ops), op=f"c10d.{name}", unit=coll_name,
                                 module=last.module, layer=unit.layer, output_bytes=0, saved_bytes=0,
                                 fwd_time=seconds, bwd_time=seconds, flops=0))
             units.append(UnitRecord(name=coll_name, local_name=local, layer=unit.layer, ops=[len(ops) - 1],

@@ -120,11 +120,11 @@ def test_tp_and_sp_shard_activations(tiny):
         sharded = roles[unit.name] != "replicated"
         assert tp.unit(unit.name).saved_bytes == (unit.saved_bytes // 2 if sharded else unit.saved_bytes), unit.name
         assert sp.unit(unit.name).saved_bytes == unit.saved_bytes // 2, unit.name
-    colls = [u for u in tp.units if u.name.endswith("tp_all_reduce")]
+    colls = [u for u in tp.units if u.name.endswith("wo.all_reduce") or u.name.endswith("w2.all_reduce")]
     assert len(colls) == 2 * whole.num_layers  # after wo and w2 of every layer
     wo = whole.unit("layers.0.attention.wo.matmul")
     assert colls[0].fwd_time == colls[0].bwd_time == 2 * (1 / 2) * wo.output_bytes / 450e9
-    assert tp.unit("layers.0.attention.wo.matmul").consumers == ["layers.0.attention.wo.tp_all_reduce"]
+    assert tp.unit("layers.0.attention.wo.matmul").consumers == ["layers.0.attention.wo.all_reduce"]
     assert tp.static.parameters == int(whole.static.parameters * (split.shardable / 2 + split.total - split.shardable)
                                        / split.total)
     assert tp.model["layout"]["tensor_parallel"] == 2
