@@ -204,3 +204,10 @@ def test_bench_throughput_section_climbs_until_the_memory(tiny_profiles, tmp_pat
     assert all(0 <= t["budget"] <= 1 for t in rows["compile"]["tried"])
     assert rows["ours-milp"]["largest_batch"] in (1, 2, 4, 8) and (tmp_path / "plans" / "throughput-ours.yaml").exists()
     assert "largest batch" in format_throughput(section)
+    # the three batches predicted best are measured: here tokens/s grow with the batch in the stand-in worker
+    top = section["ours_top_predicted"]
+    assert top[0]["batch_size"] == rows["ours-milp"]["largest_batch"] and 1 <= len(top) <= 3
+    assert len({c["batch_size"] for c in top}) == len(top)
+    best = max(top, key=lambda c: c["tokens_per_s"])["batch_size"]
+    assert section["predicted_best_is_measured_best"] == (best == top[0]["batch_size"])
+    assert "the predicted best" in format_throughput(section)
