@@ -5,8 +5,10 @@ full recompute and ``torch.compile`` with its activation memory budget climbs th
 fresh worker process, as the bench's other runs) until its measured peak exceeds that memory; its row is
 its largest batch that fits and the tokens per second there. ``torch.compile``'s budget at batch ``b`` is
 the fraction of the keep-all activations that the memory leaves (from the profile scaled to ``b``). Ours:
-``search.maximize_throughput`` on the bench's profile chooses the batch size and the plan together; the
-chosen pair is run and measured like the others (its predicted table is kept too).
+``search.maximize_throughput`` chooses the batch size and the plan together, on the bench's profile and a second
+one measured at twice its batch (other sizes are scaled affinely through the two nearest: a CPU step gets more
+efficient with the batch, which one profile cannot tell); the chosen pair and the two next-best predicted batches
+are run and measured like the others (the predicted table is kept too).
 """
 
 from __future__ import annotations
@@ -22,21 +24,25 @@ log = logging.getLogger(__name__)
 POLICIES = (("no plan", "none"), ("full recompute", "full"), ("torch.compile memory budget", "compile"))
 
 
-def _compile_fraction(profile: Any, batch: int, memory: int) -> float:
+def _compile_fraction(profiles: dict[int, Any], batch: int, memory: int) -> float:
     from search import StepModel, activation_peak, profile_for_batch
     from search._budget import keep_all
 
-    model = StepModel.build(profile_for_batch({profile.model["batch_size"]: profile}, batch))
+    model = StepModel.build(profile_for_batch(profiles, batch))
     act = activation_peak(model, keep_all(model))
     return min(1.0, max(0.0, (memory - model.base) / act)) if act else 1.0
 
 
 def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..., dict[str, Any]],
-                       spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int) -> dict[str, Any]:
-    """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section."""
+                       spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int,
+                       more_profiles: dict[int, Any] | None = None) -> dict[str, Any]:
+    """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section.
+    ``more_profiles`` (batch size -> profile): with ``profile``, what other batch sizes are scaled from (affine
+    through the two nearest, ``search.profile_for_batch``)."""
     from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput
 
     base = int(profile.model["batch_size"])
+    profiles = {base: profile, **(more_profiles or {})}
     reference = spawn(job("none", base))
     if reference.get("status") != "ok":
         return {"error": f"the plain model at batch {base} failed: {reference.get('error')}"}
@@ -45,7 +51,7 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     for label, name in POLICIES:
         tried = []
         for b in batch_sizes:
-            extra = {"budget": _compile_fraction(profile, b, memory)} if name == "compile" else {}
+            extra = {"budget": _compile_fraction(profiles, b, memory)} if name == "compile" else {}
             result = reference if (name == "none" and b == base) else spawn(job(name, b, **extra))
             fits = result.get("status") == "ok" and result["peak_bytes"] <= memory
             tried.append({"batch_size": b, "status": result.get("status"), "peak_bytes": result.get("peak_bytes"),
@@ -57,7 +63,7 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
                      "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"],
                      "tried": tried})
     try:
-        result = maximize_throughput(profiles=profile, batch_sizes=batch_sizes, budget=memory)
+        result = maximize_throughput(profiles=profiles, batch_sizes=batch_sizes, budget=memory)
     except InfeasibleBudgetError as exc:
         rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
                      "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
@@ -151,6 +157,21 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
         finally:
             torch.set_num_threads(threads)
         profile.save(saved)
+    more = {}
+    second = 2 * bundle.batch_size  # a second measured size: the step's efficiency changes with the batch
+    if second <= max(batch_sizes):
+        path = config.out / f"profile-batch{second}.json"
+        more[second] = profiler.Profile.load(path) if path.exists() else None
+        if more[second] is None:
+            big = build_model(config.spec, model_args=config.model_args, batch_size=second, seq_len=config.seq_len,
+                              seed=config.seed)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(config.threads)
+            try:
+                more[second] = calibrate(big, profiler.profile_step(big, optimizer="adam"))
+            finally:
+                torch.set_num_threads(threads)
+            more[second].save(path)
     workdir = config.out / "jobs"
     workdir.mkdir(exist_ok=True)
 
@@ -159,4 +180,4 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
 
     return throughput_section(profile=profile, batch_sizes=batch_sizes, job=job,
                               spawn=lambda j: _spawn(j, workdir, config.timeout), out=config.out,
-                              seq_len=bundle.seq_len)
+                              seq_len=bundle.seq_len, more_profiles=more)
