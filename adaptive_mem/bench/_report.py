@@ -120,8 +120,15 @@ def _comparison(results: dict[str, Any]) -> list[str]:
              f"lower memory.**", "",
              "| competitor | its budget | its peak (MiB) | its step (s) | ours at budget | our peak (MiB) | "
              "our step (s) | ours / its | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    return lines + _verdict_rows(rows, named=True)
+
+
+def _verdict_rows(rows: list[dict[str, Any]], *, named: bool) -> list[str]:
+    """One table row per competitor run against our fastest run at equal or lower memory."""
+    lines = []
     for r in rows:
-        theirs = f"| {r['competitor']} | {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} |"
+        theirs = (f"| {r['competitor']} " if named else "") + \
+            f"| {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} |"
         if r["verdict"] == "no-match":
             lines.append(f"{theirs} - | - | - | - | no run of ours at <= its memory |")
             continue
@@ -139,14 +146,7 @@ def _compiled_comparison(results: dict[str, Any]) -> list[str]:
              "(budget `= compile@F`: the plan searched for that run's measured peak).", "",
              "| compile budget | its peak (MiB) | its step (s) | ours at budget | our peak (MiB) | our step (s) | "
              "ours / its | verdict |", "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        theirs = f"| {_budget(r['budget'])} | {_mib(r['peak_bytes'])} | {_s(r['step_time'])} |"
-        if r["verdict"] == "no-match":
-            lines.append(f"{theirs} - | - | - | - | no run of ours at <= its memory |")
-            continue
-        lines.append(f"{theirs} {r['ours_budget_label']} | {_mib(r['ours_peak_bytes'])} | {_s(r['ours_step_time'])} | "
-                     f"{r['ratio']:.3f} | {r['verdict']} |")
-    return lines
+    return lines + _verdict_rows(rows, named=False)
 
 
 def _compile(results: dict[str, Any]) -> list[str]:
