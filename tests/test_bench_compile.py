@@ -95,3 +95,32 @@ def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
     assert asked == [int(102 * 100 / 110) - 1]
     assert rows[0][0]["budget_bytes"] == asked[0] and rows[0][0]["predicted_peak_bytes"] == asked[0] - 5
     assert measured == [[{"status": "ok", "peak_bytes": 98}]] and bar.total == 5
+
+
+def test_a_matched_row_no_plan_can_bring_lower_says_so():
+    """Note: [matched at no more memory]: below full recompute's prediction milp finds nothing; the row keeps its
+    run and says why it is over (the demo prints it)."""
+    from search import InfeasibleBudgetError
+
+    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
+
+    class Ctx:
+        def predict(self, solver, name, *, budget, limit, tag):
+            raise InfeasibleBudgetError("milp: no plan in its space fits")
+
+    class Bar:
+        total = 1
+
+        def refresh(self):
+            pass
+
+    row = {"policy": "ours-milp", "match": "full", "match_peak_bytes": 100, "budget_bytes": 102}
+    rows, measured = [(row, {"policy": "ours-milp"})], [[]]
+
+    def execute(todo):
+        for k in todo:
+            measured[k].append({"status": "ok", "peak_bytes": 104})
+
+    _fit_matched(0, rows, measured, execute, config, Ctx(), Bar())
+    assert rows[0][0]["over_match"] == "no plan of ours fits lower" and rows[0][1] == {"policy": "ours-milp"}
+    assert measured == [[{"status": "ok", "peak_bytes": 104}]]

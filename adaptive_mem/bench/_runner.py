@@ -168,7 +168,8 @@ def _fit_matched(k: int, rows: list, measured: list, execute: Any, config: Bench
     """Note: [matched at no more memory]. A matched row must hold no more than the competitor's measured peak;
     the simulator's error (about 2 % on compiled blocks) can put it above. Its first run comes now: over the
     peak, the plan is searched again at the budget scaled by target / measured and run again (measured peaks
-    are exact and repeat), at most ``tries`` runs; the last one is kept (tests/test_bench_compile.py)."""
+    are exact and repeat), at most ``tries`` runs; the last one is kept. When no plan of ours fits lower (below full
+    recompute's own prediction), the row keeps its run and says so in ``over_match`` (tests/test_bench_compile.py)."""
     from search import InfeasibleBudgetError
 
     row, job = rows[k]
@@ -184,11 +185,15 @@ def _fit_matched(k: int, rows: list, measured: list, execute: Any, config: Bench
             prepared = plan_ctx.predict("milp", row["policy"], budget=None, limit=budget,
                                         tag=f"{row['policy']}-match-{k}-fit{attempt + 1}")
         except InfeasibleBudgetError:
+            log.info("%s matched to %s: measured %d B over its %d B, and no plan of ours fits lower", row["policy"],
+                     row["match"], result["peak_bytes"] - target, target)
+            rows[k] = ({**row, "over_match": "no plan of ours fits lower"}, job)
             return
         log.info("%s matched to %s: measured %d B over its %d B; searching again at %d B", row["policy"],
                  row["match"], result["peak_bytes"] - target, target, budget)
         row = _predicted({**row, "budget_bytes": budget}, prepared)
-        rows[k] = (row, _job(config, row["policy"], None, prepared))
+        job = _job(config, row["policy"], None, prepared)
+        rows[k] = (row, job)
         measured[k].clear()
         bar.total += 1
         bar.refresh()

@@ -140,8 +140,10 @@ def _versus(what: str, ours: dict | None, theirs: dict | None, name: str) -> lis
         return [f"  {what}: {why}"]
     mib = 2**20
     ratio = ours["median_step_time"] / theirs["median_step_time"]
+    over = ours["peak_bytes"] - theirs["peak_bytes"]
+    note = f"; {over / mib:.1f} MiB over: {ours['over_match']}" if over > 0 and ours.get("over_match") else ""
     return [f"  {what}: peak {ours['peak_bytes'] / mib:.1f} vs {theirs['peak_bytes'] / mib:.1f} MiB, step "
-            f"{ours['median_step_time']:.3f} vs {theirs['median_step_time']:.3f} s ({ratio - 1:+.1%} vs {name})"]
+            f"{ours['median_step_time']:.3f} vs {theirs['median_step_time']:.3f} s ({ratio - 1:+.1%} vs {name}{note})"]
 
 
 def _matched_lines(runs: dict, matched: dict) -> list[str]:
