@@ -29,7 +29,7 @@ from profiler._units import find_layers
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier
-from adaptive_mem.runtime._swap_engine import SwapEngine, backs_parameter
+from adaptive_mem.runtime._swap_engine import SwapEngine, no_cycle, parameter_storages
 
 from ._eviction import EvictionPolicy
 from ._storage import Slot, StorageGroup, SwapState
@@ -62,16 +62,6 @@ class ManagerStats:
     """Prefetched storages sent back to the host before use to make room."""
 
 
-def _no_cycle(t: Any) -> Any:
-    """Note: [pack without a cycle]. What a pack hook returns is held by the autograd node that saves it;
-    a tensor that node produced (ops saving their output: exp, softmax, ...) holds that node as its
-    ``grad_fn``, a cycle through C++ that the garbage collector cannot see. Backward frees it; a graph
-    dropped without backward (a step that failed in forward, an evaluation under grad) would leak its
-    activations for good. Saving ``t.detach()`` breaks the cycle: autograd re-attaches the metadata on
-    unpack (tests/test_swap_manager.py ``test_a_failed_forward_leaks_nothing``)."""
-    return t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t
-
-
 class SwapManager:
     """Tracks saved activations of ``model``'s forwards; frees device memory on demand.
 
@@ -94,7 +84,8 @@ class SwapManager:
         self._inside = False
         self._path: list[str] = []
         self._names = {id(m): n for n, m in model.named_modules()}
-        self._params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self._params = parameter_storages(model)
+        self._live_params: set[int] | None = None
         self._pushed: list[bool] = []
         self._handles: list[Any] = []
         self._no_rescue = 0
@@ -148,6 +139,7 @@ class SwapManager:
         if not self._pushed:
             self._layer = None
             self._inside = False
+            self._live_params = None
             self.engine.begin_forward()
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = (outer if outer is not None else (None, None))
@@ -166,9 +158,11 @@ class SwapManager:
     def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
         self._layer = i
         self._inside = True
+        self._live_params = None
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         self._inside = False
+        self._live_params = None
         if not torch.is_grad_enabled():
             return
         t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
@@ -184,9 +178,13 @@ class SwapManager:
         if self._path:
             self._path.pop()
 
-    def _current_module(self) -> nn.Module:
-        """The layer running now (FSDP2 registers its gathered parameters on it), else the model."""
-        return self.layers[self._layer] if self._inside and self._layer is not None else self.model
+    def _current_parameters(self) -> set[int]:
+        """Storages of the running layer's parameters (FSDP2 registers its gathered ones on it), else the model's;
+        taken at the first save of each layer call, after FSDP's pre-forward hook has gathered them."""
+        if self._live_params is None:
+            module = self.layers[self._layer] if self._inside and self._layer is not None else self.model
+            self._live_params = parameter_storages(module)
+        return self._live_params
 
     def _position(self) -> int:
         """Layer index of what runs now: -1 before the layers, ``num_layers`` after them."""
@@ -196,13 +194,13 @@ class SwapManager:
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, outer_pack: Callable | None, outer_unpack: Callable | None, t: torch.Tensor) -> Any:
-        inner = outer_pack(t) if outer_pack is not None else _no_cycle(t)
+        inner = outer_pack(t) if outer_pack is not None else no_cycle(t)
         if (not isinstance(inner, torch.Tensor) or isinstance(inner, nn.Parameter) or inner.device != self.device
                 or inner.is_sparse or type(inner) is not torch.Tensor):
             return ("opaque", inner, outer_unpack)
         st = inner.untyped_storage()
         key = st._cdata
-        if key in self._params or st.nbytes() == 0 or backs_parameter(st, self._current_module()):
+        if key in self._params or st.nbytes() == 0 or key in self._current_parameters():
             return ("opaque", inner, outer_unpack)  # Note: [parameter storages are never swapped]
         self._seq += 1
         group = self._groups.get(key)

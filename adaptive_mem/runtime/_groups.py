@@ -136,6 +136,7 @@ class GroupPaths:
         orig = self._orig(i)
         whole = self._whole(i)
         position = group.index(i)
+        names = _positional_names(self.layers[i])
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if group[0] in self._split_groups and torch.is_grad_enabled():
@@ -149,7 +150,7 @@ class GroupPaths:
             if _hidden_of(args, kwargs) is not expected:
                 raise RuntimeError(f"checkpoint group: layer {i} was not called with the previous layer's output; "
                                    "groups need layers that feed each other directly")
-            differs = _differing_input(used_args, used_kwargs, args, kwargs, _positional_names(self.layers[i]))
+            differs = _differing_input(used_args, used_kwargs, args, kwargs, names)
             if differs is not None:
                 self._split_groups.add(group[0])  # Note: [group inputs]
                 for j in group[position + 1:]:

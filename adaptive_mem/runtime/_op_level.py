@@ -51,7 +51,7 @@ from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._resolve import OUTSIDE_BEFORE, Resolution, decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
-from ._swap_engine import Packed, SwapEngine, backs_parameter, local_shard
+from ._swap_engine import Packed, SwapEngine, backs_parameter, local_shard, no_cycle
 
 __all__ = ["OpLevelPaths", "SacLayer", "eager_only", "outside_dynamo"]
 
@@ -353,8 +353,7 @@ class OpLevelPaths:
         return outside, info[1]
 
     def _pack(self, t: torch.Tensor) -> Any:
-        if t.grad_fn is not None:
-            t = t.detach()  # Note: [pack without a cycle] in memory/_swap_manager.py
+        t = no_cycle(t)
         if not self._producer or isinstance(t, nn.Parameter):
             return t
         st = local_shard(t).untyped_storage()

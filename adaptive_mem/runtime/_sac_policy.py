@@ -33,6 +33,8 @@ from torch.utils.checkpoint import CheckpointPolicy
 from profiler._fake_ops import install_fake_fallbacks
 from profiler._units import UnitNamer
 
+from ._swap_engine import no_cycle
+
 __all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
 
 log = logging.getLogger(__name__)
@@ -141,7 +143,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage()._cdata)
-        return t.detach() if t.grad_fn is not None else t  # the clone's graph is dropped without backward
+        return no_cycle(t)  # the clone's graph is dropped without backward
 
     def run_on(clone: nn.Module, originals: dict[int, nn.Module], cargs: tuple, ckwargs: dict) -> _Recorder:
         call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
