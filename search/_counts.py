@@ -41,9 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from ._menu import Option
+from ._menu import Option, assign
 from ._model import StepModel
-from ._plan import Action
 from ._simulator import Assignment, simulate_assignment
 from ._solver import Problem
 
@@ -189,15 +188,8 @@ class _Counts:
         return mid
 
     def assignment(self, mid: list[int], top: int, bot: int) -> Assignment:
-        model = self.model
-        actions = [Action.KEEP] * len(model.units)
-        prefetch = [1] * len(model.units)
         options = [self.bot_menu[bot]] + [self.menu[j] for j in mid] + [self.top_menu[top]]
-        for p, o in zip(model.layer_positions, options):
-            for i, a in zip(model.positions[p], o.acts):
-                actions[i] = a
-                prefetch[i] = o.d
-        return Assignment(tuple(actions), tuple(prefetch))
+        return assign(self.model, zip(self.model.layer_positions, options))
 
 
 def _undominated(menu: list[Option]) -> list[Option]:

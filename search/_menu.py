@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import Iterable
 
 import numpy as np
 
 from ._model import StepModel
 from ._plan import Action
-from ._simulator import position_segment
+from ._simulator import Assignment, position_segment
 
-__all__ = ["EXACT_UNITS", "Option", "exact_menus", "layer_menu"]
+__all__ = ["EXACT_UNITS", "Option", "assign", "exact_menus", "layer_menu"]
 
 EXACT_UNITS = 8
 """Layers with at most this many units may get the complete option set..."""
@@ -55,16 +56,33 @@ class Option:
     """Local indices of swapped units read by other positions (coupling with their recompute)."""
     prefix: tuple[int, ...] = ()
     """Held bytes after each unit's forward (for sound dominance of non-swap options)."""
+    input_swap: bool = False
+    """Whole-layer recompute whose checkpoint input is swapped (Note: [swapped checkpoint input]): ``swapped`` is
+    that input, ``held`` is net of it (the previous position holds it until its own backward)."""
 
     @property
     def recomputes(self) -> bool:
         return R in self.acts
 
 
+def assign(model: StepModel, choices: Iterable[tuple[int, Option]]) -> Assignment:
+    """The assignment of one option per layer position (``(position, option)`` pairs); other units keep."""
+    actions = [K] * len(model.units)
+    prefetch = [1] * len(model.units)
+    inputs = []
+    for p, o in choices:
+        for i, a in zip(model.positions[p], o.acts):
+            actions[i] = a
+            prefetch[i] = o.d
+        if o.input_swap:
+            inputs.append((p, o.d))
+    return Assignment(tuple(actions), tuple(prefetch), (), tuple(inputs))
+
+
 def _signature(model: StepModel, p: int) -> tuple:
     members = model.positions[p]
     local = {i: k for k, i in enumerate(members)}
-    return (model.input_extra[p],) + tuple(
+    return (model.input_extra[p], model.input_swap[p]) + tuple(
         (u.local_name, u.saved, u.output, u.fwd, u.bwd, u.pinned, u.sac_extra, u.sac_replay, u.sac_replay_all, u.ops,
          tuple(local.get(c, -1) for c in u.consumers), model.spill_bound[u.index] if model.spill_bound else 0)
         for u in (model.units[i] for i in members))
@@ -98,6 +116,22 @@ def _option(model: StepModel, p: int, acts: tuple[Action, ...], d: int) -> Optio
                   swaps_pinned=tuple(k for k in swaps if units[k].pinned), prefix=tuple(prefix))
 
 
+def _input_swaps(model: StepModel, p: int, prefetch: tuple[int, ...]) -> list[Option]:
+    """Whole-layer recompute with its checkpoint input swapped, one option per prefetch distance: the input is
+    copied out when the layer's forward returns and is needed first thing in its backward (the replay)."""
+    nbytes = model.input_swap[p]
+    members = model.positions[p]
+    full = _option(model, p, tuple([R] * len(members)), 0) if members else None
+    if not nbytes or full is None:
+        return []
+    h2d, d2h = model.h2d(nbytes), model.d2h(nbytes)
+    duration = sum(model.units[i].fwd for i in members)
+    prefix = full.prefix[:-1] + (full.prefix[-1] - nbytes,)  # from its forward end the copy is pending instead
+    return [Option(acts=full.acts, d=d, held=full.held - nbytes, swapped=nbytes, transient=full.transient,
+                   replay=full.replay, h2d=h2d, d2h=d2h, need=0.0, first_swap_end=duration, lead=h2d,
+                   prefix=prefix, input_swap=True) for d in prefetch]
+
+
 def _dominated(a: Option, b: Option) -> bool:
     """``b`` is no worse than ``a`` in every quantity the simulator reads (non-swap options only)."""
     return (b.replay <= a.replay and b.transient <= a.transient
@@ -126,7 +160,7 @@ def _exact(model: StepModel, p: int, prefetch: tuple[int, ...]) -> list[Option]:
             o = _option(model, p, acts, 0)
             assert o is not None
             plain.append(o)
-    return _prune_plain(plain) + swaps
+    return _prune_plain(plain) + swaps + _input_swaps(model, p, prefetch)
 
 
 def _pareto_subsets(model: StepModel, p: int, limit: int) -> list[tuple[Action, ...]]:
@@ -190,7 +224,7 @@ def _heuristic(model: StepModel, p: int, prefetch: tuple[int, ...], limit: int) 
     for acts in {everything, unpinned}:
         options += [o for d in prefetch if (o := _option(model, p, acts, d)) is not None]
     plain = _prune_plain([o for o in options if not o.swapped])
-    return plain + [o for o in options if o.swapped]
+    return plain + [o for o in options if o.swapped] + _input_swaps(model, p, prefetch)
 
 
 def exact_menus(model: StepModel, prefetch: tuple[int, ...]) -> bool:

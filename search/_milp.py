@@ -86,11 +86,13 @@ class MilpSolver(Solver):
         if counted is not None:  # the counts program's plan competes; its bound holds for this menu space too
             seeds.append((simulate_assignment(model, counted[0], in_flight=problem.in_flight).step_time, counted[0]))
         for _, asg in seeds:  # baseline plans join the support where the menus hold them
+            swapped_in = dict(asg.inputs)
             for p in layers:
                 key = tuple(asg.actions[i] for i in model.positions[p])
-                d = next((asg.prefetch[i] for i in model.positions[p] if asg.actions[i] is Action.SWAP), 0)
+                d = next((asg.prefetch[i] for i in model.positions[p] if asg.actions[i] is Action.SWAP),
+                         swapped_in.get(p, 0))
                 for k, o in enumerate(prog.menus[p]):
-                    if o.acts == key and o.d == d:
+                    if o.acts == key and o.d == d and o.input_swap == (p in swapped_in):
                         ub[prog.zcol[p] + k] = 1.0
         incumbent = min(seeds, key=lambda sd: sd[0]) if seeds else None
         best, bound, rounds, status = self._rounds(problem, prog, ub, rel_gap, start, lp_bound, incumbent)

@@ -173,6 +173,10 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
         per = []
         for o in menus[p]:
             chain, c_prev = [], 0.0
+            if o.input_swap:  # copied out when the layer's forward ends
+                end = units[model.positions[p][-1]].fwd_end
+                per.append([(end, end + o.d2h, o.swapped)])
+                continue
             for m, a in enumerate(o.acts):
                 if a is Action.SWAP:
                     u = units[model.positions[p][m]]

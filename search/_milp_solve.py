@@ -7,9 +7,8 @@ from typing import Any
 import numpy as np
 from scipy.optimize import Bounds, milp
 
-from ._menu import Option
+from ._menu import Option, assign
 from ._milp_model import Program
-from ._plan import Action
 from ._simulator import Assignment, simulate_assignment
 from ._solver import Problem
 from ._timeline import Simulation
@@ -36,14 +35,7 @@ def choice_of(prog: Program, x: np.ndarray) -> dict[int, int]:
 
 
 def assignment(model, menus: dict[int, list[Option]], choice: dict[int, int]) -> Assignment:
-    actions = [Action.KEEP] * len(model.units)
-    prefetch = [1] * len(model.units)
-    for p, k in choice.items():
-        o = menus[p][k]
-        for i, a in zip(model.positions[p], o.acts):
-            actions[i] = a
-            prefetch[i] = o.d
-    return Assignment(tuple(actions), tuple(prefetch))
+    return assign(model, ((p, menus[p][k]) for p, k in choice.items()))
 
 
 def extract(problem: Problem, prog: Program, x: np.ndarray) -> tuple[dict[int, int], Assignment, Simulation]:

@@ -85,6 +85,9 @@ class StepModel:
     host_budget: int | None = None
     """Bytes of RAM the swap store may hold (None: unbounded); swaps beyond it go to the disk tier at
     ``hardware.disk_bandwidth``. Swaps take host memory in forward order, all of them at once."""
+    input_swap: list[int] = field(default_factory=list)
+    """Per position: bytes a whole-layer recompute with ``swap_input`` swaps: the outputs of the previous position
+    read by this position alone (the hidden states; Note: [swapped checkpoint input])."""
     spill_bound: list[int] = field(default_factory=list)
     """Per unit: bytes of its swap beyond ``host_budget`` when every unit before it swaps too (an upper
     bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
@@ -240,9 +243,15 @@ class StepModel:
         grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
         other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
         other += profile.optimizer_time
+        input_swap = [0] * (n + 2)
+        for q in range(1, n + 1):
+            for i in positions[q - 1]:
+                reach = {units[c].position for c in units[i].consumers}
+                if q in reach and reach <= {q - 1, q}:
+                    input_swap[q] += units[i].saved or units[i].output
         model = cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
                     base=base, grads=grads, boundary=boundary, other_time=other,
-                    forward_time=fwd, backward_time=bwd, host_budget=host_budget)
+                    forward_time=fwd, backward_time=bwd, host_budget=host_budget, input_swap=input_swap)
         used = 0
         for u in units:
             model.spill_bound.append(model.spill(used, u.saved))

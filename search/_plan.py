@@ -44,11 +44,20 @@ class Decision:
     action: Action
     """What to do with the target's saved activations."""
     backward_prefetch: int = 1
-    """Swap only: the reload starts this many layers before the using layer's backward; 0 = when unpacked."""
+    """Swap (and ``swap_input``): the reload starts this many layers before the using layer's backward; 0 = when
+    unpacked."""
+    swap_input: bool = False
+    """Recompute of a whole layer only: its checkpoint input (the hidden states it is called with) also leaves
+    the device after the layer's forward and is reloaded before its recompute (Note: [swapped checkpoint input])."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             object.__setattr__(self, "action", _action(self.action, "action"))
+        if not isinstance(self.swap_input, bool):
+            raise PlanError(f"swap_input={_short(self.swap_input)}: expected true or false")
+        if self.swap_input and self.action is not Action.RECOMPUTE:
+            raise PlanError(f"swap_input=true with action {self.action.value}: expected action recompute (the input "
+                            "of a layer recomputed as a whole)")
         if isinstance(self.backward_prefetch, bool) or not isinstance(self.backward_prefetch, int) \
                 or not 0 <= self.backward_prefetch <= MAX_PREFETCH:
             raise PlanError(f"backward_prefetch={_short(self.backward_prefetch)}: expected an integer >= 0 and "
@@ -57,6 +66,8 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         if self.action is Action.SWAP:
             return {"action": self.action.value, "backward_prefetch": self.backward_prefetch}
+        if self.swap_input:
+            return {"action": self.action.value, "swap_input": True, "backward_prefetch": self.backward_prefetch}
         return {"action": self.action.value}
 
 
@@ -196,9 +207,9 @@ class Plan:
             if not isinstance(spec, dict):
                 raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, "
                                 "backward_prefetch: N}")
-            extra = [k for k in spec if k not in ("action", "backward_prefetch")]
+            extra = [k for k in spec if k not in ("action", "backward_prefetch", "swap_input")]
             if extra:
-                raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch")
+                raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch, swap_input")
             if "action" not in spec:
                 raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
             action = _action(spec["action"], f"{where}.action")
@@ -206,7 +217,13 @@ class Plan:
             if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
                 raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and "
                                 f"<= {MAX_PREFETCH}")
-            decisions[target] = Decision(action, prefetch)
+            swap_input = spec.get("swap_input", False)
+            if not isinstance(swap_input, bool):
+                raise PlanError(f"{where}.swap_input={_short(swap_input)}: expected true or false")
+            if swap_input and action is not Action.RECOMPUTE:
+                raise PlanError(f"{where}.swap_input=true with action {action.value}: expected action recompute "
+                                "(the input of a layer recomputed as a whole)")
+            decisions[target] = Decision(action, prefetch, swap_input)
         groups = data.get("groups", [])
         if not isinstance(groups, list) or not all(
             isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)

@@ -32,6 +32,9 @@ class Assignment:
     """Per unit: ``backward_prefetch`` of swapped units (ignored for the others)."""
     groups: tuple[tuple[int, int], ...] = ()
     """(first position, last position) of each group of layers checkpointed together."""
+    inputs: tuple[tuple[int, int], ...] = ()
+    """(position, prefetch) of each layer recomputed as a whole whose checkpoint input is swapped
+    (Note: [swapped checkpoint input])."""
 
 
 @dataclass
@@ -47,6 +50,10 @@ class Segment:
     swaps: list[int]
     transient: int
     replay: float
+    in_swap: int = 0
+    """Bytes of the checkpoint input swapped out after the forward and back before the replay (held by the
+    previous position: only the copies and the reload are this segment's)."""
+    in_prefetch: int = 1
 
     @property
     def held(self) -> int:
@@ -57,6 +64,7 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
     """Apply targets (longest match wins), groups and the coupling rules to every unit."""
     actions: list[Action] = []
     prefetch: list[int] = []
+    swap_in: dict[int, tuple[str, int] | None] = {}  # unit -> (target, prefetch) of a swap_input decision
     for u in model.units:
         best = -1
         found: list = []
@@ -76,6 +84,8 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
             raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
                             f"recompute targets inside {_layer_pattern(model)}")
         swap_decision = next((d for d in found if d.action is Action.SWAP), None)
+        swap_in[u.index] = next(((t, d.backward_prefetch) for t, d in plan.decisions.items() if d in found
+                                 and d.swap_input and action is Action.RECOMPUTE), None)
         actions.append(action)
         prefetch.append(swap_decision.backward_prefetch if swap_decision else 1)
     groups: list[tuple[int, int]] = []
@@ -89,7 +99,21 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
         if not any(a <= g[0] + 1 and g[-1] + 1 <= b for a, b in model.stack_ranges()):
             raise PlanError(f"plan.groups: group {g} spans two stacks of layers; expected the layers of one stack")
         groups.append((g[0] + 1, g[-1] + 1))
-    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups)))
+    grouped = {p for a, b in groups for p in range(a, b + 1)}
+    inputs: list[tuple[int, int]] = []
+    for p, members in enumerate(model.positions):
+        marked = [swap_in[i] for i in members if swap_in[i] is not None]
+        if not marked:
+            continue
+        target = marked[0][0]
+        if len(marked) < len(members) or any(actions[i] is not Action.RECOMPUTE for i in members):
+            raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a whole-layer "
+                            "target (the layer's module path) decided recompute")
+        if p in grouped:
+            raise PlanError(f"plan.decisions.{target!r}: swap_input on a layer of a checkpoint group; expected it on "
+                            "layers recomputed alone")
+        inputs.append((p, marked[0][1]))
+    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
 
 
 def couple(model: StepModel, asg: Assignment) -> Assignment:
@@ -101,7 +125,7 @@ def couple(model: StepModel, asg: Assignment) -> Assignment:
             if any(actions[c] is Action.RECOMPUTE or model.units[c].position in grouped for c in u.consumers):
                 log.info("swap of %s dropped: its output is consumed by a recomputed unit", u.name)
                 actions[u.index] = Action.KEEP
-    return Assignment(tuple(actions), asg.prefetch, asg.groups)
+    return Assignment(tuple(actions), asg.prefetch, asg.groups, asg.inputs)
 
 
 def _full(model: StepModel, positions: tuple[int, ...]) -> Segment:
@@ -155,6 +179,7 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
 def segments(model: StepModel, asg: Assignment) -> list[Segment]:
     """The segments of a step in forward order, with what each holds, replays and swaps."""
     group_of = {a: b for a, b in asg.groups}
+    swapped_in = dict(asg.inputs)
     out: list[Segment] = []
     p = 0
     while p < len(model.positions):
@@ -163,7 +188,10 @@ def segments(model: StepModel, asg: Assignment) -> list[Segment]:
             p = group_of[p] + 1
             continue
         members = model.positions[p]
-        out.append(position_segment(model, p, [asg.actions[i] for i in members]))
+        seg = position_segment(model, p, [asg.actions[i] for i in members])
+        if p in swapped_in and seg.mode == "full" and model.input_swap[p]:
+            seg.in_swap, seg.in_prefetch = model.input_swap[p], swapped_in[p]
+        out.append(seg)
         p += 1
     return out
 
@@ -202,6 +230,15 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
                 swapped += u.saved
                 if record:
                     intervals.append(Interval("copy", "d2h", c0, stream, u.name))
+        if seg.in_swap:  # Note: [swapped checkpoint input]: copied out once the layer's forward returned
+            p = seg.positions[0]
+            c0 = max(stream, t)
+            spilled[-p] = model.spill(swapped, seg.in_swap)
+            stream = c0 + model.d2h(seg.in_swap, spilled[-p])
+            add(stream, -seg.in_swap)
+            swapped += seg.in_swap
+            if record:
+                intervals.append(Interval("copy", "d2h", c0, stream, f"{_seg_name(model, seg)} input"))
         if record and seg.units:
             intervals.append(Interval("compute", "forward", start, t, _seg_name(model, seg)))
 
@@ -212,18 +249,40 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             d = asg.prefetch[i]
             if d > 0:
                 issue.setdefault(min(units[i].position + d, last), []).append(i)
+        if seg.in_swap and seg.in_prefetch > 0:  # an input is keyed -position (unit keys are >= 0)
+            issue.setdefault(min(seg.positions[0] + seg.in_prefetch, last), []).append(-seg.positions[0])
     land: dict[int, float] = {}
+
+    def reload(key: int, label: str) -> None:
+        nonlocal stream
+        nbytes = units[key].saved if key >= 0 else model.input_swap[-key]
+        add(t, nbytes)
+        c0 = max(stream, t)
+        stream = land[key] = c0 + model.h2d(nbytes, spilled.get(key, 0))
+        if record:
+            intervals.append(Interval("copy", "h2d", c0, stream, label))
+
+    def wait(key: int, label: str) -> None:
+        nonlocal t, stall
+        if land[key] > t:
+            if record:
+                intervals.append(Interval("compute", "stall", t, land[key], label))
+            stall += land[key] - t
+            t = land[key]
+
+    segs_at = {seg.positions[0]: seg for seg in segs}
     stall = replay = 0.0
     add(t, model.boundary)
     for k, seg in enumerate(reversed(segs)):
         due = sorted((i for p in seg.positions for i in issue.get(p, [])),
-                     key=lambda i: (-units[i].position, -i))
+                     key=lambda i: (i, -(1 << 62)) if i < 0 else (-units[i].position, -i))
         for i in due:
-            add(t, units[i].saved)
-            c0 = max(stream, t)
-            stream = land[i] = c0 + model.h2d(units[i].saved, spilled.get(i, 0))
-            if record:
-                intervals.append(Interval("copy", "h2d", c0, stream, units[i].name))
+            reload(i, units[i].name if i >= 0 else f"{_seg_name(model, segs_at[-i])} input")
+        if seg.in_swap:
+            key = -seg.positions[0]
+            if seg.in_prefetch == 0:
+                reload(key, f"{_seg_name(model, seg)} input")
+            wait(key, f"{_seg_name(model, seg)} input")
         add(t, seg.transient)
         add(t, sum(model.grads[p] for p in seg.positions))
         if seg.replay:
@@ -237,16 +296,8 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             u = units[i]
             if i in swaps:
                 if asg.prefetch[i] == 0:
-                    add(t, u.saved)
-                    c0 = max(stream, t)
-                    stream = land[i] = c0 + model.h2d(u.saved, spilled.get(i, 0))
-                    if record:
-                        intervals.append(Interval("copy", "h2d", c0, stream, u.name))
-                if land[i] > t:
-                    if record:
-                        intervals.append(Interval("compute", "stall", t, land[i], u.name))
-                    stall += land[i] - t
-                    t = land[i]
+                    reload(i, u.name)
+                wait(i, u.name)
             t += u.bwd
         if record and seg.units:
             intervals.append(Interval("compute", "backward", start, t, _seg_name(model, seg)))

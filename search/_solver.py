@@ -124,11 +124,14 @@ def fmt_bytes(n: float) -> str:
 def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:
     """Compact plan: ``<layer>: recompute`` for whole layers, unit targets otherwise."""
     decisions: dict[str, Decision] = {}
+    swapped_in = dict(asg.inputs)
     for p, members in enumerate(model.positions):
         layer = model.layer_of(p)
         acts = [asg.actions[i] for i in members]
         if layer is not None and members and all(a is Action.RECOMPUTE for a in acts):
-            decisions[model.profile.layer_path(layer)] = Decision(Action.RECOMPUTE)
+            decisions[model.profile.layer_path(layer)] = (
+                Decision(Action.RECOMPUTE, swapped_in[p], swap_input=True) if p in swapped_in
+                else Decision(Action.RECOMPUTE))
             continue
         for i, a in zip(members, acts):
             if a is Action.SWAP:

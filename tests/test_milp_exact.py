@@ -20,21 +20,26 @@ N_INSTANCES = 200
 
 
 def brute_force(model: StepModel, budget: int) -> float | None:
-    """Min simulated step time over every keep/recompute/swap assignment and per-layer prefetch distance."""
+    """Min simulated step time over every keep/recompute/swap assignment and per-layer prefetch distance, and for
+    each layer recomputed as a whole: its input kept or swapped at each distance (Note: [swapped checkpoint input])."""
     layers = [p for p in model.layer_positions if model.positions[p]]
     n = len(model.units)
     best = None
     for acts in itertools.product((Action.KEEP, Action.RECOMPUTE, Action.SWAP), repeat=n):
         swap_layers = [p for p in layers if any(acts[i] is Action.SWAP for i in model.positions[p])]
+        whole = [p for p in layers if model.input_swap[p] and all(acts[i] is Action.RECOMPUTE
+                                                                  for i in model.positions[p])]
         for ds in itertools.product(PREFETCH, repeat=len(swap_layers)):
             pf = [1] * n
             for p, d in zip(swap_layers, ds):
                 for i in model.positions[p]:
                     pf[i] = d
-            asg = couple(model, Assignment(acts, tuple(pf)))
-            sim = simulate_assignment(model, asg)
-            if sim.peak_bytes <= budget and (best is None or sim.step_time < best):
-                best = sim.step_time
+            for ins in itertools.product((None,) + PREFETCH, repeat=len(whole)):
+                inputs = tuple((p, d) for p, d in zip(whole, ins) if d is not None)
+                asg = couple(model, Assignment(acts, tuple(pf), (), inputs))
+                sim = simulate_assignment(model, asg)
+                if sim.peak_bytes <= budget and (best is None or sim.step_time < best):
+                    best = sim.step_time
     return best
 
 

@@ -61,8 +61,10 @@ class CompiledBlocks:
         self._warned = False
 
     def _whole_swap_layers(self) -> dict[int, int]:
-        """Layers the plan swaps as a whole -> their backward prefetch."""
-        ex, out = self.ex, {}
+        """Layers the plan swaps as a whole -> their backward prefetch; a whole-layer recompute with its input
+        swapped too (what its compiled block saves is that input: Note: [swapped checkpoint input])."""
+        ex = self.ex
+        out = dict(ex.res.input_swaps)
         for i, mode in enumerate(ex.res.modes):
             if mode is not LayerMode.SWAP:
                 continue
@@ -151,7 +153,8 @@ class CompiledBlocks:
                         self._packer(i, prefetch, args, kwargs), ex._unpack))
                 out = call(*args, **kwargs)
             ex._quiet_layer = False
-            if prefetch is not None:  # its outputs are the swapped layer's, as the op tracker records them eagerly
+            if prefetch is not None and i not in ex.res.input_swaps:  # its outputs are the swapped layer's, as the
+                # op tracker records them eagerly
                 label = ex.res.layers.layer_path(i)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
@@ -172,7 +175,7 @@ class CompiledBlocks:
 
         def pack(t: torch.Tensor) -> Any:
             key = t.untyped_storage()._cdata
-            if key in inputs:
+            if key in inputs and i not in ex.res.input_swaps:
                 return ex._pack(t)
             if isinstance(t, nn.Parameter) or key in frozen:
                 return t

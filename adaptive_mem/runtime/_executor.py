@@ -43,6 +43,7 @@ from ._accounting import current_accounting
 from ._compiled_swap import CompiledBlocks
 from ._copy_guard import CopyGuard
 from ._layer_cache import cache_snapshot, replays_on_snapshot
+from ._input_swap import swapped_input_checkpoint
 from ._groups import GroupPaths
 from ._op_level import OpLevelPaths, SacLayer, eager_only, outside_dynamo
 from ._resolve import LayerMode, Resolution
@@ -93,7 +94,7 @@ class Executor(OpLevelPaths, GroupPaths):
         self._leave_ids: dict[int, int] = {}
         self._layouts: dict[int, bool] = {}
         self.engine: SwapEngine | None = None
-        if plan.targets(Action.SWAP):
+        if plan.targets(Action.SWAP) or res.input_swaps:
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             self.engine = SwapEngine(device=device, num_layers=self.num_layers, host_store=host_store,
                                      host_dir=host_dir, host_budget=host_budget)
@@ -208,11 +209,17 @@ class Executor(OpLevelPaths, GroupPaths):
         orig = self._orig(i)
         run = self._opaque_run(orig)
 
+        swap_in = self.res.input_swaps.get(i)
+
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return orig(*args, **kwargs)
             args, kwargs, fresh = cache_snapshot(self.layers[i], args, kwargs, self._cache_warned)
-            return self._ckpt(i, replays_on_snapshot(run, fresh), *args, **kwargs)  # Note: [cache in recompute]
+            fn = replays_on_snapshot(run, fresh)  # Note: [cache in recompute]
+            if swap_in is not None and not torch.compiler.is_compiling():  # compiled: Note: [swap around compiled blocks]
+                return swapped_input_checkpoint(fn, *args, engine=self.engine, layer=i, prefetch=swap_in,
+                                                label=f"{self.res.layers.layer_path(i)} input", **kwargs)
+            return self._ckpt(i, fn, *args, **kwargs)
         return forward
 
     # ================================================================== hooks

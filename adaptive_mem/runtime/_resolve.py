@@ -57,6 +57,8 @@ class Resolution:
     """Some swap target covers units outside SAC layers: the tracker and saved-tensor hooks are needed."""
     provisional: list[str] = field(default_factory=list)
     """Targets that look like op units of non-leaf modules; verified by a trace."""
+    input_swaps: dict[int, int] = field(default_factory=dict)
+    """Layer index -> ``backward_prefetch`` of the whole-layer recomputes whose checkpoint input is swapped."""
 
     @property
     def active(self) -> bool:
@@ -181,6 +183,24 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
             raise PlanError(f"plan.groups: layer(s) {sorted(seen & set(group))} in two groups; expected disjoint groups")
         seen |= set(group)
 
+    input_swaps: dict[int, int] = {}
+    grouped = {i for g in groups for i in g}
+    for target, decision in plan.decisions.items():
+        if not decision.swap_input:
+            continue
+        covered = [i for i, p in enumerate(paths) if matches(target, p) and decide(plan, p) == decision]
+        if not covered or any(modes[i] is not LayerMode.WHOLE for i in covered):
+            raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a whole-layer "
+                            "target (the layer's module path) decided recompute")
+        for i in covered:
+            if i in grouped:
+                raise PlanError(f"plan.decisions.{target!r}: swap_input on layer {i} of a checkpoint group; expected "
+                                "it on layers recomputed alone")
+            if plan.distribute_saved_activations:
+                raise PlanError(f"plan.decisions.{target!r}: swap_input with distribute_saved_activations=true; "
+                                "expected one of the two for a layer input")
+            input_swaps[i] = decision.backward_prefetch
+
     swap_outside = False
     for target, decision in plan.decisions.items():
         if decision.action is not Action.SWAP:
@@ -191,7 +211,7 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
     if plan.distribute_saved_activations and not any(m is LayerMode.WHOLE for m in modes):
         log.warning("distribute_saved_activations is set but no layer is recomputed as a whole: nothing to distribute")
     return Resolution(layers=layers, modes=modes, groups=groups, swap_outside_sac=swap_outside,
-                      provisional=provisional)
+                      provisional=provisional, input_swaps=input_swaps)
 
 
 def log_plan(plan: Plan, res: Resolution) -> None:
