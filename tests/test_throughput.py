@@ -211,3 +211,116 @@ def test_bench_throughput_section_climbs_until_the_memory(tiny_profiles, tmp_pat
     best = max(top, key=lambda c: c["tokens_per_s"])["batch_size"]
     assert section["predicted_best_is_measured_best"] == (best == top[0]["batch_size"])
     assert "the predicted best" in format_throughput(section)
+
+
+# ---------------------------------------------------------------- the top three, measured with repeats
+class _Worker:
+    """A stand-in worker: peaks grow with the batch (plain model at batch 2 = the memory); the other policies'
+    tokens/s grow by 1 per call of the same (policy, batch); ours' runs of the k-th predicted batch (by first call)
+    return ``ours[k]`` in turn (None: the run fails)."""
+
+    def __init__(self, base: int, ours: list[list[float | None]]):
+        self.base, self.ours, self.calls, self.order = base, ours, [], []
+
+    def job(self, policy, batch, **extra):
+        return {"policy": policy, "batch_size": batch, **extra}
+
+    def __call__(self, j):
+        per = {"none": 1.0, "full": 0.5, "compile": 0.7, "ours-milp": 0.6}[j["policy"]]
+        self.calls.append((j["policy"], j["batch_size"]))
+        peak = self.base + int(per * 400_000 * (j["batch_size"] - 2))
+        if j["policy"] != "ours-milp":
+            return {"status": "ok", "peak_bytes": peak, "tokens_per_s": 100.0 * j["batch_size"] + self.calls.count(
+                (j["policy"], j["batch_size"]))}
+        if j["batch_size"] not in self.order:
+            self.order.append(j["batch_size"])
+        runs = self.ours[self.order.index(j["batch_size"])]
+        tokens = runs[self.calls.count(self.calls[-1]) - 1]
+        if tokens is None:
+            return {"status": "failed", "error": "worker died: boom"}
+        return {"status": "ok", "peak_bytes": min(peak, self.base), "tokens_per_s": tokens}
+
+
+def _section(profile, tmp_path, ours, repeats):
+    from adaptive_mem.bench._throughput import throughput_section
+
+    worker = _Worker(profile.peak_memory, ours)
+    section = throughput_section(profile=profile, batch_sizes=[1, 2, 4, 8], job=worker.job, spawn=worker,
+                                 out=tmp_path, seq_len=32, repeats=repeats)
+    return section, worker
+
+
+def test_bench_throughput_top_three_interleaved_medians(tiny_profiles, tmp_path):
+    from adaptive_mem.bench._throughput import format_throughput
+
+    section, worker = _section(tiny_profiles[2], tmp_path, [[105.0, 95.0, 100.0], [80.0, 90.0, 85.0],
+                                                            [71.0, 70.0, 72.0]], repeats=3)
+    top = section["ours_top_predicted"]
+    assert len(top) == 3 and section["repeats"] == 3
+    b1, b2, b3 = (c["batch_size"] for c in top)
+    assert [b for p, b in worker.calls if p == "ours-milp"] == [b1, b2, b3] * 3  # round robin, a worker per run
+    assert [c["runs_tokens_per_s"] for c in top] == [[105.0, 95.0, 100.0], [80.0, 90.0, 85.0], [71.0, 70.0, 72.0]]
+    assert [c["tokens_per_s"] for c in top] == [100.0, 85.0, 71.0]
+    assert [c["spread"] for c in top] == pytest.approx([0.1, 10 / 85, 2 / 71])
+    assert section["predicted_best_is_measured_best"] and section["ours_ranking"] == "resolved"  # gap 15 > 10
+    assert section["ours_measured_gap"] == pytest.approx(15 / 85)
+    rows = {r["name"]: r for r in section["rows"]}
+    assert rows["ours-milp"]["largest_batch"] == b1 and rows["ours-milp"]["tokens_per_s"] == 100.0
+    # the other policies: the median of 3 runs at their largest batch (the plain model's first is the reference)
+    assert rows["none"]["largest_batch"] == 2 and rows["none"]["runs_tokens_per_s"] == [201.0, 202.0, 203.0]
+    assert rows["none"]["tokens_per_s"] == 202.0 and rows["none"]["spread"] == pytest.approx(2 / 202)
+    assert worker.calls.count(("full", rows["full"]["largest_batch"])) == 3
+    text = format_throughput(section)
+    assert "medians of 3 runs" in text
+    assert f"  batch {b1}: " in text and "median 100.0 measured, spread 10.0 % (runs 105.0, 95.0, 100.0)" in text
+    assert f"  batch {b3}: " in text and "median 71.0 measured, spread 2.8 % (runs 71.0, 70.0, 72.0)" in text
+    assert "the predicted best is the measured best; gap best to second 17.6 %: resolved" in text
+
+
+@pytest.mark.parametrize("ours, is_best, ranking", [
+    ([[100.0, 101.0, 99.0], [90.0, 91.0, 89.0], [80.0] * 3], True, "resolved"),
+    ([[100.0, 110.0, 90.0], [95.0, 105.0, 85.0], [80.0] * 3], True, "within noise"),  # gap 5 < spread 20
+    ([[90.0, 91.0, 89.0], [100.0, 101.0, 99.0], [80.0] * 3], False, "resolved"),
+    ([[95.0, 105.0, 85.0], [80.0] * 3, [100.0, 110.0, 90.0]], False, "within noise"),
+    ([[100.0, 100.0, 100.0], [100.0, 100.0, 100.0], [80.0] * 3], True, "within noise"),  # a tie is no ranking
+])
+def test_bench_throughput_verdict_both_ways(tiny_profiles, tmp_path, ours, is_best, ranking):
+    """Note: [ranking resolved]"""
+    from adaptive_mem.bench._throughput import format_throughput
+
+    section, _ = _section(tiny_profiles[2], tmp_path, ours, repeats=3)
+    assert section["predicted_best_is_measured_best"] is is_best and section["ours_ranking"] == ranking
+    verdict = "is" if is_best else "is NOT"
+    gap = 100 * section["ours_measured_gap"]
+    assert format_throughput(section).endswith(f"the predicted best {verdict} the measured best; "
+                                               f"gap best to second {gap:.1f} %: {ranking}")
+
+
+def test_bench_throughput_one_run_claims_no_resolution(tiny_profiles, tmp_path):
+    section, worker = _section(tiny_profiles[2], tmp_path, [[100.0], [90.0], [80.0]], repeats=1)
+    assert section["predicted_best_is_measured_best"] and section["ours_ranking"] == "noise not measured (one run each)"
+    assert [c["spread"] for c in section["ours_top_predicted"]] == [0.0, 0.0, 0.0]
+    assert worker.calls.count(("none", 2)) == 1  # the reference run only: no repeats at repeats=1
+
+
+def test_bench_throughput_failed_run_is_not_rerun(tiny_profiles, tmp_path):
+    from adaptive_mem.bench._throughput import format_throughput
+
+    section, worker = _section(tiny_profiles[2], tmp_path, [[100.0, None, 100.0], [90.0] * 3, [80.0] * 3], repeats=3)
+    first, *_ = section["ours_top_predicted"]
+    assert worker.calls.count(("ours-milp", first["batch_size"])) == 2
+    assert first["tokens_per_s"] is None and first["error"] == "worker died: boom"
+    assert not section["predicted_best_is_measured_best"]
+    ours = [r for r in section["rows"] if r["name"] == "ours-milp"][0]
+    assert ours["tokens_per_s"] is None and ours["error"] == "worker died: boom" and not ours["fits"]
+    assert f"  batch {first['batch_size']}: " in format_throughput(section)
+    assert "failed: worker died: boom (runs 100.0, failed)" in format_throughput(section)
+
+
+@pytest.mark.parametrize("repeats", [0, -1, 1.5, True])
+def test_bench_throughput_bad_repeats(tiny_profiles, tmp_path, repeats):
+    from adaptive_mem.bench._throughput import throughput_section
+
+    with pytest.raises(ValueError, match=rf"^repeats={repeats!r}: expected a positive integer$"):
+        throughput_section(profile=tiny_profiles[2], batch_sizes=[1], job=dict, spawn=dict, out=tmp_path, seq_len=32,
+                           repeats=repeats)

@@ -9,11 +9,18 @@ the fraction of the keep-all activations that the memory leaves (from the profil
 one measured at twice its batch (other sizes are scaled affinely through the two nearest: a CPU step gets more
 efficient with the batch, which one profile cannot tell); the chosen pair and the two next-best predicted batches
 are run and measured like the others (the predicted table is kept too).
+
+With ``repeats`` (the bench's ``--repeats``), each of the three predicted best runs that many times, round robin
+(b1, b2, b3, b1, ...: load on the machine hits all three alike), each run a fresh worker; they are ranked by the
+median tokens/s, and the ranking is "resolved" only when the gap between the measured best and second is larger
+than either one's spread (max - min of its runs). The other policies' rows take the median of ``repeats`` runs at
+their largest batch that fits.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,10 +42,12 @@ def _compile_fraction(profiles: dict[int, Any], batch: int, memory: int) -> floa
 
 def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..., dict[str, Any]],
                        spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int,
-                       more_profiles: dict[int, Any] | None = None) -> dict[str, Any]:
+                       more_profiles: dict[int, Any] | None = None, repeats: int = 1) -> dict[str, Any]:
     """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section.
     ``more_profiles`` (batch size -> profile): with ``profile``, what other batch sizes are scaled from (affine
-    through the two nearest, ``search.profile_for_batch``)."""
+    through the two nearest, ``search.profile_for_batch``). ``repeats``: runs per measured row (medians)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats={repeats!r}: expected a positive integer")
     from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput
 
     base = int(profile.model["batch_size"])
@@ -59,38 +68,41 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
             if not fits:
                 break  # a larger batch holds more
         best = max((t for t in tried if t["fits"]), key=lambda t: t["batch_size"], default=None)
-        rows.append({"policy": label, "name": name, "largest_batch": best and best["batch_size"],
-                     "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"],
-                     "tried": tried})
+        row = {"policy": label, "name": name, "largest_batch": best and best["batch_size"],
+               "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"], "tried": tried}
+        if best is not None:
+            args = {"budget": best["budget"]} if name == "compile" else {}
+            more = _interleaved([lambda: job(name, best["batch_size"], **args)], repeats - 1, spawn)[0]
+            runs = _summary([best] + more)
+            row.update(tokens_per_s=runs["tokens_per_s"], peak_bytes=runs["peak_bytes"], error=runs["error"],
+                       runs_tokens_per_s=runs["runs_tokens_per_s"], spread=runs["spread"])
+        rows.append(row)
     try:
         result = maximize_throughput(profiles=profiles, batch_sizes=batch_sizes, budget=memory)
     except InfeasibleBudgetError as exc:
         rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
                      "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
         return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-                "batch_sizes": batch_sizes, "seq_len": seq_len, "rows": rows, "ours_predicted": []}
+                "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows, "ours_predicted": []}
     batch, solved = result.best
     path = out / "plans" / "throughput-ours.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     solved.plan.save(path)
-    measured = spawn(job("ours-milp", batch, plan=str(path)))
-    ok = measured.get("status") == "ok"
     ranked = _top_predicted(result, 3)
-    checked = [{"batch_size": batch, "predicted_tokens_per_s": result.best_row.tokens_per_second,
-                "tokens_per_s": measured.get("tokens_per_s") if ok else None,
-                "peak_bytes": measured.get("peak_bytes") if ok else None}]
+    plans = [str(path)]
     for row in ranked[1:]:  # the predicted best must be the measured best of the three ranked highest
         other = out / "plans" / f"throughput-ours-batch{row.batch_size}.yaml"
         row.result.plan.save(other)
-        run = spawn(job("ours-milp", row.batch_size, plan=str(other)))
-        good = run.get("status") == "ok"
-        checked.append({"batch_size": row.batch_size, "predicted_tokens_per_s": row.tokens_per_second,
-                        "tokens_per_s": run.get("tokens_per_s") if good else None,
-                        "peak_bytes": run.get("peak_bytes") if good else None})
+        plans.append(str(other))
+    makers = [lambda b=row.batch_size, p=plan: job("ours-milp", b, plan=p) for row, plan in zip(ranked, plans)]
+    checked = [{"batch_size": row.batch_size, "predicted_tokens_per_s": row.tokens_per_second, **_summary(runs)}
+               for row, runs in zip(ranked, _interleaved(makers, repeats, spawn))]
+    chosen = checked[0]
+    ok = chosen["status"] == "ok"
     rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": batch,
-                 "tokens_per_s": measured.get("tokens_per_s") if ok else None,
-                 "peak_bytes": measured.get("peak_bytes") if ok else None,
-                 "fits": ok and measured["peak_bytes"] <= memory, "error": None if ok else measured.get("error"),
+                 "tokens_per_s": chosen["tokens_per_s"], "peak_bytes": chosen["peak_bytes"],
+                 "runs_tokens_per_s": chosen["runs_tokens_per_s"], "spread": chosen["spread"],
+                 "fits": ok and chosen["peak_bytes"] <= memory, "error": chosen["error"],
                  "predicted_tokens_per_s": result.best_row.tokens_per_second, "plan": str(path)})
     predicted = [{"batch_size": r.batch_size, "source": r.source, "fits": r.fits, "step_time": r.step_time,
                   "tokens_per_s": r.tokens_per_second, "peak_bytes": r.peak_bytes, "note": r.note}
@@ -98,10 +110,54 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     log.info("throughput at %s:\n%s", fmt_bytes(memory), result.table())
     best_measured = max((c for c in checked if c["tokens_per_s"] is not None), key=lambda c: c["tokens_per_s"],
                         default=None)
+    ranking, gap = _ranking(checked)
     return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-            "batch_sizes": batch_sizes, "seq_len": seq_len, "rows": rows, "ours_predicted": predicted,
-            "ours_top_predicted": checked,
-            "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch}
+            "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows,
+            "ours_predicted": predicted, "ours_top_predicted": checked,
+            "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
+            "ours_ranking": ranking, "ours_measured_gap": gap}
+
+
+def _interleaved(makers: list[Callable[[], dict[str, Any]]], repeats: int,
+                 spawn: Callable[[dict[str, Any]], dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """``repeats`` runs of each job, round robin, a fresh job (and worker) per run; a job that failed is not rerun."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in makers]
+    for _ in range(repeats):
+        for k, make in enumerate(makers):
+            if not runs[k] or runs[k][-1].get("status") == "ok":
+                runs[k].append(spawn(make()))
+    return runs
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The runs of one job: every run's tokens/s, their median, the spread (max - min) / median and the largest
+    peak; failed when any run failed (a failure is no noise to take a median over)."""
+    failed = next((r for r in runs if r.get("status") != "ok"), None)
+    if failed is not None:
+        return {"status": failed.get("status"), "error": failed.get("error"), "tokens_per_s": None,
+                "runs_tokens_per_s": [r.get("tokens_per_s") for r in runs], "spread": None, "peak_bytes": None}
+    tokens = [float(r["tokens_per_s"]) for r in runs]
+    median = statistics.median(tokens)
+    return {"status": "ok", "error": None, "tokens_per_s": median, "runs_tokens_per_s": tokens,
+            "spread": (max(tokens) - min(tokens)) / median if median else 0.0,
+            "peak_bytes": max(int(r["peak_bytes"]) for r in runs)}
+
+
+def _ranking(checked: list[dict[str, Any]]) -> tuple[str, float | None]:
+    """Whether the measurement resolves the measured best from the second, and their gap (relative to the second).
+
+    Note: [ranking resolved] "resolved" needs the gap between the two medians larger, in tokens/s, than the range
+    (max - min) of either one's runs; with one run each there is no range, so nothing is claimed."""
+    measured = sorted((c for c in checked if c["tokens_per_s"] is not None), key=lambda c: -c["tokens_per_s"])
+    if len(measured) < 2:
+        return "fewer than two measured", None
+    best, second = measured[:2]
+    gap = best["tokens_per_s"] - second["tokens_per_s"]
+    relative = gap / second["tokens_per_s"] if second["tokens_per_s"] else None
+    if min(len(best["runs_tokens_per_s"]), len(second["runs_tokens_per_s"])) < 2:
+        return "noise not measured (one run each)", relative
+    noise = max(c["spread"] * c["tokens_per_s"] for c in (best, second))
+    return ("resolved" if gap > noise else "within noise"), relative
 
 
 def _top_predicted(result: Any, n: int) -> list[Any]:
@@ -115,7 +171,9 @@ def format_throughput(section: dict[str, Any]) -> str:
     """The section as a text table (largest batch that fits and tokens/s per policy)."""
     if "error" in section:
         return f"throughput: {section['error']}"
-    lines = [f"throughput at {section['memory_bytes'] / 2**20:.1f} MiB ({section['memory_from']}):",
+    repeats = section.get("repeats", 1)
+    medians = f"; tokens/s: medians of {repeats} runs" if repeats > 1 else ""
+    lines = [f"throughput at {section['memory_bytes'] / 2**20:.1f} MiB ({section['memory_from']}{medians}):",
              f"{'policy':>32}  {'largest batch':>13}  {'tokens/s':>10}  {'peak MiB':>9}"]
     for r in section["rows"]:
         if r["largest_batch"] is None or r["tokens_per_s"] is None:
@@ -125,11 +183,17 @@ def format_throughput(section: dict[str, Any]) -> str:
                      f"{r['peak_bytes'] / 2**20:>9.1f}")
     top = section.get("ours_top_predicted") or []
     if top:
-        shown = ", ".join(f"batch {c['batch_size']}: {c['predicted_tokens_per_s']:.1f} predicted / "
-                          + (f"{c['tokens_per_s']:.1f} measured" if c["tokens_per_s"] is not None else "failed")
-                          for c in top)
+        lines.append(f"ours, the batches predicted best, {repeats} run(s) each, interleaved:")
+        for c in top:
+            runs = ", ".join("failed" if t is None else f"{t:.1f}" for t in c.get("runs_tokens_per_s") or [])
+            measured = (f"median {c['tokens_per_s']:.1f} measured, spread {100 * c['spread']:.1f} %"
+                        if c["tokens_per_s"] is not None else f"failed: {c.get('error')}")
+            lines.append(f"  batch {c['batch_size']}: {c['predicted_tokens_per_s']:.1f} predicted / {measured} "
+                         f"(runs {runs})")
         verdict = "is" if section.get("predicted_best_is_measured_best") else "is NOT"
-        lines.append(f"ours, the batches predicted best ({shown}): the predicted best {verdict} the measured best")
+        gap = section.get("ours_measured_gap")
+        gap_text = f"gap best to second {100 * gap:.1f} %: " if gap is not None else ""
+        lines.append(f"  the predicted best {verdict} the measured best; {gap_text}{section.get('ours_ranking')}")
     return "\n".join(lines)
 
 
@@ -180,4 +244,4 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
 
     return throughput_section(profile=profile, batch_sizes=batch_sizes, job=job,
                               spawn=lambda j: _spawn(j, workdir, config.timeout), out=config.out,
-                              seq_len=bundle.seq_len, more_profiles=more)
+                              seq_len=bundle.seq_len, more_profiles=more, repeats=config.repeats)
