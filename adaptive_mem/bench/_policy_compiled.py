@@ -1,5 +1,12 @@
 """Ours with ``torch.compile``: the ``milp`` plan searched on the profile of the model compiled per block, applied
-to the model, then every block compiled (``layer.compile``, torchtitan's order: the plan first, then compile)."""
+to the model, then compiled (torchtitan's order: the plan first, then compile).
+
+Note: [ours + compile layout]. A plan without swap decisions runs under a whole-model ``torch.compile`` (as the
+``compile`` policy, ``activation_memory_budget`` 1.0): it fuses across blocks, head and loss, which per-block
+compile cannot (llama-small 2x512: 2.3 MiB less with no plan), and its recompute runs through the compiled
+selective-checkpoint policy. A plan with swaps compiles every block (``layer.compile``): swap is refused under a
+whole-model compile (``runtime/_compiled_swap.py``). ``info["compile"]`` records which
+(tests/test_compile_whole.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ from typing import Any
 
 from ._policy_base import Applied, Policy, layers_of
 
-__all__ = ["MilpCompiledPolicy", "compile_blocks"]
+__all__ = ["MilpCompiledPolicy", "compile_blocks", "compile_layout"]
 
 
 def compile_blocks(model: Any, backend: str) -> Any:
@@ -25,10 +32,18 @@ def compile_blocks(model: Any, backend: str) -> Any:
     return undo
 
 
+def compile_layout(plan: Any) -> str:
+    """``"whole-model"`` for a plan without swap decisions, else ``"per-block"`` (Note: [ours + compile layout])."""
+    from search._plan import Action
+
+    swaps = any(d.action is Action.SWAP for d in plan.decisions.values())
+    return "per-block" if swaps else "whole-model"
+
+
 class MilpCompiledPolicy(Policy):
     name = "ours-milp+compile"
     label = ("adaptive-mem: the milp plan searched on the profile of the model compiled per block ({backend}), "
-             "applied, then every block compiled")
+             "applied, then the whole model compiled (plans without swaps) or every block (plans with swaps)")
     budgeted = True
     eager = False
     ours = True
@@ -42,13 +57,30 @@ class MilpCompiledPolicy(Policy):
         return ctx.compiled.predict("milp", self.name, budget=budget)
 
     def apply(self, bundle, optimizer, job):
+        import dataclasses
+
+        import torch
+        import torch._functorch.config as functorch_config
+
         from adaptive_mem._optimize import optimize
+        from search._plan import Plan
 
         backend = job.get("compile_backend", "inductor")
-        handle = optimize(bundle.model, plan=job["plan"])
-        undo = compile_blocks(bundle.model, backend)
+        plan = Plan.load(job["plan"])
+        layout = compile_layout(plan)
+        handle = optimize(bundle.model, plan=plan)
+        info = {"decisions": len(plan.decisions), "backend": backend, "compile": layout}
+        if layout == "per-block":
+            undo = compile_blocks(bundle.model, backend)
 
-        def remove() -> None:
-            undo()
+            def remove() -> None:
+                undo()
+                handle.remove()
+            return Applied(bundle, remove, info=info)
+        functorch_config.activation_memory_budget = 1.0
+        compiled = torch.compile(bundle.model, backend=backend, dynamic=False)
+
+        def remove_whole() -> None:
+            torch._dynamo.reset()
             handle.remove()
-        return Applied(bundle, remove, info={"decisions": len(handle.plan.decisions), "backend": backend})
+        return Applied(dataclasses.replace(bundle, model=compiled), remove_whole, info=info)

@@ -65,7 +65,8 @@ def compare(results: dict[str, Any], *, ours: str = "ours-milp", against: str | 
         ratio = best["median_step_time"] / c["median_step_time"]
         out.append({"competitor": c["policy"], "budget": c["budget"], "peak_bytes": c["peak_bytes"],
                     "step_time": c["median_step_time"], "ours_budget": best["budget"],
-                    "ours_budget_label": budget_label(best),
+                    "ours_budget_label": budget_label(best) + (
+                        f" ({best['info']['compile']})" if (best.get("info") or {}).get("compile") else ""),
                     "ours_peak_bytes": best["peak_bytes"], "ours_step_time": best["median_step_time"],
                     "ratio": ratio, "verdict": "pass" if ratio <= 1 + TIME_TOLERANCE else "fail"})
     return out
@@ -101,7 +102,9 @@ def _runs_table(results: dict[str, Any]) -> list[str]:
         time = None if full is None else r["median_step_time"] / full["median_step_time"] - 1
         pred = r.get("predicted_peak_bytes")
         err = None if pred is None else pred / r["peak_bytes"] - 1
-        lines.append(f"| {r['policy']} | {budget_label(r)} | ok | {_mib(r['peak_bytes'])} | {_pct(mem)} | "
+        layout = (r.get("info") or {}).get("compile")
+        name = r["policy"] + (f" ({layout})" if layout else "")
+        lines.append(f"| {name} | {budget_label(r)} | ok | {_mib(r['peak_bytes'])} | {_pct(mem)} | "
                      f"{_s(r['median_step_time'])} | {_pct(time)} | {r['tokens_per_s']:.0f} | {_mib(pred)} | "
                      f"{_s(r.get('predicted_step_time'))} | {_pct(err)} |")
     return lines
@@ -174,8 +177,9 @@ def _detail(r: dict[str, Any]) -> str | None:
     if r["policy"] == "ours-adaptive" and "adaptive_summary" in info:
         return f"{info['adaptive_summary']} ({warm.get('warmup_steps', '?')} warm-up steps before measuring)"
     if r["policy"] in ("compile", "ours-milp+compile") and info.get("backend"):
-        return f"backend {info['backend']}; first (compiling) step took {warm.get('warmup_times', ['?'])[0]} s" \
-            if warm.get("warmup_times") else f"backend {info['backend']}"
+        what = f"backend {info['backend']}" + (f", compiled {info['compile']}" if info.get("compile") else "")
+        return f"{what}; first (compiling) step took {warm.get('warmup_times', ['?'])[0]} s" \
+            if warm.get("warmup_times") else what
     return None
 
 

@@ -10,7 +10,8 @@ the simulator's terms: the competitor's predicted peak when it is a plan the sim
 (full, megatron-selective, hf-gc), else its measured peak scaled by the simulator's median
 predicted/measured ratio on those competitors. Those rows then join the interleaved repeats.
 Likewise ``ours-milp+compile`` (planned on the profile of the model compiled per block) is searched and
-run at each ``compile`` row's measured peak.
+run at each ``compile`` row's measured peak, in whole-model terms when its plan has no swaps (Note: [whole-model
+offset] in ``_compiled_match.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ._compiled_match import whole_model_offset
 from ._policies import get_policy
 from ._prepare import PrepareContext
 from ._results import RESULTS_FORMAT, RESULTS_VERSION, budget_label, merge_repeats
@@ -112,10 +114,14 @@ def _job(config: BenchConfig, name: str, budget: float | None, prepared: dict[st
 
 
 def _predicted(row: dict[str, Any], prepared: dict[str, Any]) -> dict[str, Any]:
-    for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan"):
+    for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan",
+                "predicted_peak_bytes_per_block", "planned_for", "whole_model_offset_bytes"):
         if key in prepared:
             row[key] = prepared[key]
     return row
+
+
+_WHOLE_KEYS = ("predicted_peak_bytes_per_block", "planned_for")
 
 
 def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], *, compiled: bool = False) -> list[int]:
@@ -127,18 +133,21 @@ def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], *, co
 
 
 def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured: list,
-                  competitors: list[int], ours: str = "ours-milp",
-                  calibrators: list[int] = ()) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+                  competitors: list[int], ours: str = "ours-milp", calibrators: list[int] = (),
+                  offset: int | None = None) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
     """One ``ours`` row per distinct measured peak of the competitors' first runs; ``calibrators``: further
-    rows whose first runs (with predictions on ``ctx``'s profile) give the predicted/measured ratio."""
+    rows whose first runs (with predictions on ``ctx``'s profile) give the predicted/measured ratio; ``offset``:
+    ours + compile's whole-model offset (Note: [whole-model offset]), tried first."""
     from search import InfeasibleBudgetError
+
+    from ._compiled_match import whole_model_prediction
 
     def ok(indices: Any) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         return [(rows[k][0], measured[k][0]) for k in indices if measured[k] and measured[k][0].get("status") == "ok"]
 
     firsts = ok(competitors)
     ratios = [row["predicted_peak_bytes"] / first["peak_bytes"] for row, first in firsts + ok(calibrators)
-              if row.get("predicted_peak_bytes")]
+              if row.get("predicted_peak_bytes") and (first.get("info") or {}).get("compile") != "whole-model"]
     calibration = statistics.median(ratios) if ratios else 1.0
     peaks: dict[int, tuple[int, list[str]]] = {}
     for row, first in firsts:
@@ -153,9 +162,18 @@ def _matched_rows(config: BenchConfig, ctx: PrepareContext, rows: list, measured
         row = {"policy": policy.name, "label": policy.label_for(config.compile_backend), "budget": None,
                "budget_bytes": budget, "match": match,
                "match_peak_bytes": measured_peak, "eager": policy.eager, "ours": policy.ours}
+        tag = f"{policy.name}-match-{names[0].replace('@', '-')}"
         try:
-            prepared = ctx.predict("milp", policy.name, budget=None, limit=budget,
-                                   tag=f"{policy.name}-match-{names[0].replace('@', '-')}")
+            whole = None if offset is None else whole_model_prediction(
+                ctx.predict("milp", policy.name, budget=None, limit=measured_peak + offset, tag=tag), offset)
+        except InfeasibleBudgetError:
+            whole = None
+        if whole is not None:
+            row["budget_bytes"] = measured_peak + offset
+            out.append((_predicted(row, whole), _job(config, policy.name, None, whole)))
+            continue
+        try:
+            prepared = ctx.predict("milp", policy.name, budget=None, limit=budget, tag=tag)
         except InfeasibleBudgetError as exc:
             out.append(({**row, "status": "infeasible", "error": str(exc)}, None))
             continue
@@ -171,6 +189,8 @@ def _fit_matched(k: int, rows: list, measured: list, execute: Any, config: Bench
     are exact and repeat), at most ``tries`` runs; the last one is kept. When no plan of ours fits lower (below full
     recompute's own prediction), the row keeps its run and says so in ``over_match`` (tests/test_bench_compile.py)."""
     from search import InfeasibleBudgetError
+
+    from ._compiled_match import whole_model_prediction
 
     row, job = rows[k]
     for attempt in range(tries):
@@ -191,7 +211,8 @@ def _fit_matched(k: int, rows: list, measured: list, execute: Any, config: Bench
             return
         log.info("%s matched to %s: measured %d B over its %d B; searching again at %d B", row["policy"],
                  row["match"], result["peak_bytes"] - target, target, budget)
-        row = _predicted({**row, "budget_bytes": budget}, prepared)
+        prepared = whole_model_prediction(prepared, row.get("whole_model_offset_bytes")) or prepared
+        row = _predicted({key: v for key, v in row.items() if key not in _WHOLE_KEYS} | {"budget_bytes": budget}, prepared)
         job = _job(config, row["policy"], None, prepared)
         rows[k] = (row, job)
         measured[k].clear()
@@ -290,8 +311,9 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
         if match or match_compiled:
             extra = _matched_rows(config, ctx, rows, measured, eager_first) if match else []
             if match_compiled:
+                offset = whole_model_offset(ctx.compiled, rows, measured)
                 extra += _matched_rows(config, ctx.compiled, rows, measured, compiled_first, "ours-milp+compile",
-                                       compiled_calibrators)
+                                       compiled_calibrators, offset)
             start = len(rows)
             rows += extra
             measured += [[] for _ in extra]

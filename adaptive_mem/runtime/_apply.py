@@ -222,6 +222,9 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
     handle = OptimizeHandle(model, plan, executor, res, summary=summary)
     needs_check = bool(plan.fingerprint or plan.model or res.provisional) and example_inputs is None
     if needs_check:
+        # Note: [first forward outside dynamo]: under torch.compile(model) the pre-hook runs from the wrapper's
+        # eager __call__, but dynamo would compile the hook's own frames (fake-tensor trace: graph breaks).
+        @torch.compiler.disable
         def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
             handle._check.remove()
             handle._check = None

@@ -1,0 +1,42 @@
+"""Matched ``ours-milp+compile`` rows in whole-model terms (Note: [whole-model offset]).
+
+Note: [whole-model offset]. The compiled profile is measured per block, but ours + compile runs a plan without
+swaps under a whole-model compile (Note: [ours + compile layout] in ``_policy_compiled.py``), which holds less:
+it fuses across blocks, head and loss. The offset is the keep-all plan's predicted peak on the per-block
+compiled profile minus the measured peak of ``compile`` at budget 1.0 (the same whole-model compile with no
+plan), so it also absorbs the simulator's error at keep-all. A matched row at a compile row's measured peak P
+is searched at P + offset; its plan runs whole-model when it has no swaps, else the search falls back to the
+per-block budget. Predicted peaks of whole-model plans are reported in whole-model terms (per-block figure
+minus the offset). Guarded by tests/test_compile_whole.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from search import resolve, simulate_assignment
+from search._plan import Plan
+
+from ._policy_compiled import compile_layout
+
+__all__ = ["whole_model_offset", "whole_model_prediction"]
+
+
+def whole_model_offset(ctx: Any, rows: list, measured: list) -> int | None:
+    """Per-block keep-all predicted peak on ``ctx`` (the compiled context) minus compile@1.0's measured peak;
+    None without an ok compile@1.0 first run."""
+    for k, (row, job) in enumerate(rows):
+        first = measured[k][0] if measured[k] else {}
+        if job is not None and row["policy"] == "compile" and row["budget"] == 1.0 and first.get("status") == "ok":
+            keep = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {}})
+            return int(simulate_assignment(ctx.model, resolve(ctx.model, keep)).peak_bytes) - int(first["peak_bytes"])
+    return None
+
+
+def whole_model_prediction(prepared: dict[str, Any], offset: int | None) -> dict[str, Any] | None:
+    """``prepared`` in whole-model terms when its plan runs whole-model, else None."""
+    if offset is None or compile_layout(Plan.load(prepared["plan"])) != "whole-model":
+        return None
+    return {**prepared, "predicted_peak_bytes": int(prepared["predicted_peak_bytes"]) - offset,
+            "predicted_peak_bytes_per_block": int(prepared["predicted_peak_bytes"]), "planned_for": "whole-model",
+            "whole_model_offset_bytes": offset}
