@@ -95,7 +95,8 @@ def _pp_run(rank: int, args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     from adaptive_mem import optimize
 
     b = _bundle(args, args.batch_size * args.micro_batches)
-    batches = [b.batch(seed=i) for i in range(args.steps)]
+    # one step's batch at a time, as a data loader gives it (the prediction counts one: Note: [pipelining buffers])
+    shape, vocab = (b.batch_size, b.seq_len + 1), b.vocab_size
     n = len(b.model.layers)
     from adaptive_mem.models._parallelize import Stage
 
@@ -106,7 +107,9 @@ def _pp_run(rank: int, args: argparse.Namespace, plan: Any) -> dict[str, Any]:
     schedule = pipelining.Schedule1F1B(stage, n_microbatches=args.micro_batches, loss_fn=_loss)
 
     def step(i: int) -> None:
-        ids, labels = batches[i]
+        tokens = torch.randint(0, vocab, shape, generator=torch.Generator().manual_seed(i))
+        ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        del tokens
         if rank == 0:
             schedule.step(ids, return_outputs=False)
         else:

@@ -30,6 +30,9 @@ class Stage:
     model: StepModel
     chunk: int = 0
     """Model chunk on this stage's rank (interleaved 1F1B: 0..V-1)."""
+    runtime: int = 0
+    """Bytes of the pipelining runtime's buffers and the step's batch at the peak, included in ``model.base``
+    (Note: [pipelining buffers])."""
 
 
 def split_stages(profile: Profile, *, stages: int, micro_batches: int,
@@ -55,7 +58,7 @@ def split_stages(profile: Profile, *, stages: int, micro_batches: int,
 def split_layout(profile: Profile, *, layout: Layout, hardware: HardwareSpec | None = None) -> list[Stage]:
     """One :class:`Stage` per pipeline rank and model chunk (``chunk`` 0..V-1), its ``in_flight`` from the
     layout's schedule (``search._schedules``)."""
-    from ._schedules import chunk_layers, in_flight
+    from ._schedules import chunk_layers, in_flight, runtime_buffers
 
     n = profile.num_layers
     if layout.chunks > max(n, 1):
@@ -67,10 +70,40 @@ def split_layout(profile: Profile, *, layout: Layout, hardware: HardwareSpec | N
     # Note: [accumulated gradients] a stage's gradients, allocated by its first micro-batch's backward, stay
     # through the backward of the others: resident at the steady-state peak (tests/test_comm_stream.py)
     gradients = "persistent" if layout.micro_batches > 1 else "per-step"
-    return [Stage(s, ranges[s][c], counts[s][c],
-                  _cut(profile, whole, ranges[s][c], first=s == 0 and c == 0, last=s == p - 1 and c == v - 1,
-                       hardware=hardware, gradients=gradients), chunk=c)
-            for s in range(p) for c in range(v)]
+    buffers = runtime_buffers(layout)
+    out = []
+    for s in range(p):
+        for c in range(v):
+            first, last = s == 0 and c == 0, s == p - 1 and c == v - 1
+            model = _cut(profile, whole, ranges[s][c], first=first, last=last, hardware=hardware, gradients=gradients)
+            # Note: [pipelining buffers] torch.distributed.pipelining's own tensors (receive buffers, pending
+            # sends, cached model outputs: search._schedules.runtime_buffers) and the step's batch of M
+            # micro-batches (views of it go to the first stage's inputs and the last stage's loss) are held
+            # whatever the plan: counts x the chunk's boundary tensor bytes, in the stage's base
+            # (tests/test_pipeline_buffers.py)
+            b = buffers[s][c]
+            into, leaving = _boundary_bytes(profile, ranges[s][c], last=last)
+            runtime = ((b.recv + b.sent_grads) * into + (b.grad_recv + b.sent_outputs + b.cached_outputs) * leaving
+                       + profile.saved_input_bytes * ((layout.micro_batches - 1 if first else 0)
+                                                      + (layout.micro_batches if last and not first else 0)))
+            model = replace(model, base=model.base + runtime)
+            out.append(Stage(s, ranges[s][c], counts[s][c], model, chunk=c, runtime=runtime))
+    return out
+
+
+def _boundary_bytes(profile: Profile, layers: range, *, last: bool) -> tuple[int, int]:
+    """Bytes per micro-batch entering ``layers`` from the layer before them and leaving their last layer for
+    later units; on the ``last`` chunk the model output (the loss input): the largest output after the layers."""
+    def crossing(layer: int) -> int:
+        later = {u.name for u in profile.units if u.layer is None or u.layer > layer}
+        return sum(u.output_bytes for u in profile.units
+                   if u.layer == layer and any(c in later for c in u.consumers))
+    first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
+    if last:
+        leaving = max((u.output_bytes for u in profile.units[first_layer:] if u.layer is None), default=0)
+    else:
+        leaving = crossing(layers.stop - 1)
+    return (crossing(layers.start - 1) if layers.start > 0 else 0), leaving
 
 
 def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last: bool,
@@ -91,7 +124,8 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
                      optimizer_state=int(st.optimizer_state * share))
     saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if first else 0)
     boundary = whole.boundary if last else 0
-    resident = static.total - static.gradients  # per-step gradients, StepModel.build's default
+    # the base StepModel.build derives for ``gradients``: the boundary it takes from peak_memory stays whole.boundary
+    resident = static.total - (static.gradients if gradients == "per-step" else 0)
     sub = replace(profile, units=keep, static=static, saved_input_bytes=profile.saved_input_bytes if first else 0,
                   peak_memory=resident + saved + boundary,
                   step_time=sum(u.fwd_time + u.bwd_time for u in keep))

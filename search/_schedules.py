@@ -9,11 +9,12 @@ Model chunk ``c`` of rank ``s`` is pipeline chunk ``c * P + s`` (Megatron's virt
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from profiler._layout import Layout
 
-__all__ = ["SCHEDULE_COUNTS", "in_flight", "in_flight_1f1b", "in_flight_gpipe", "in_flight_interleaved",
-           "chunk_layers", "pipeline_step_time"]
+__all__ = ["SCHEDULE_COUNTS", "RuntimeBuffers", "in_flight", "in_flight_1f1b", "in_flight_gpipe",
+           "in_flight_interleaved", "chunk_layers", "pipeline_step_time", "runtime_buffers"]
 
 
 def in_flight_gpipe(layout: Layout) -> list[list[int]]:
@@ -59,6 +60,53 @@ SCHEDULE_COUNTS: dict[str, Callable[[Layout], list[list[int]]]] = {
 def in_flight(layout: Layout) -> list[list[int]]:
     """``counts[stage][chunk]`` for the layout's schedule."""
     return SCHEDULE_COUNTS[layout.schedule](layout)
+
+
+@dataclass(frozen=True)
+class RuntimeBuffers:
+    """Tensors ``torch.distributed.pipelining`` holds for one model chunk at the rank's peak, beyond the saved
+    activations the simulator counts, as counts of boundary tensors (one per micro-batch)."""
+
+    recv: int = 0
+    """Activation receive buffers: one per micro-batch, allocated at the first step and kept (chunk's input)."""
+    grad_recv: int = 0
+    """Gradient receive buffers: one per micro-batch, kept (chunk's output)."""
+    sent_outputs: int = 0
+    """Outputs whose backward has run, still held by a send not yet waited on (chunk's output)."""
+    sent_grads: int = 0
+    """Input gradients held by a send not yet waited on (chunk's input)."""
+    cached_outputs: int = 0
+    """Last chunk: model outputs (the loss inputs) cached for backward beyond the one in the profile's
+    loss workspace (its ``boundary``)."""
+
+
+def runtime_buffers(layout: Layout) -> list[list[RuntimeBuffers]]:
+    """``buffers[stage][chunk]`` at the peak ``in_flight`` counts (Note: [pipelining buffers]).
+
+    Read from ``torch.distributed.pipelining`` (``stage.py``: ``args_recv_info`` / ``grad_recv_info`` hold
+    one buffer per micro-batch; ``schedules.py``): 1F1B keeps the last warm-up send's work (micro-batch
+    ``w - 2`` of ``w`` warm-up forwards) until the cool-down, and the previous backward's input-gradient
+    send (``bwd_sends``) until the next backward has run; GPipe waits every forward send before its first
+    backward and its peak is that backward, with all ``M`` model outputs cached on the last stage;
+    interleaved 1F1B waits its sends only at the step's end, so at its counted peak (the first backward)
+    every pending send is of an output still in flight.
+    """
+    p, v, m = layout.pipeline_stages, layout.virtual_pipeline_stages, layout.micro_batches
+    counts = in_flight(layout)
+    out: list[list[RuntimeBuffers]] = []
+    for s in range(p):
+        row = []
+        for c in range(v):
+            k = c * p + s
+            first, last, w = k == 0, k == p * v - 1, counts[s][c]
+            sent_out = sent_grad = 0
+            if layout.schedule == "1f1b":
+                sent_out = int(not last and w >= 2 and m >= 2 * w - 1)
+                sent_grad = int(not first and m > w)
+            row.append(RuntimeBuffers(recv=0 if first else m, grad_recv=0 if last else m, sent_outputs=sent_out,
+                                      sent_grads=sent_grad, cached_outputs=max(w - 1, 0) if last else 0))
+        out.append(row)
+    return out
 
 
 def chunk_layers(num_layers: int, layout: Layout) -> list[list[range]]:

@@ -208,7 +208,7 @@ def test_interleaved_rank_budget_split_over_chunks(tmp_path, capsys):
     assert main(["profile", "--model", "llama-tiny", "--device", "meta", "--seq-len", "16", "--tensor-parallel", "2",
                  "--pipeline-stages", "2", "--micro-batches", "4", "-o", str(prof)]) == 0
     plan_path = tmp_path / "plan.yaml"
-    budget = int(1.15 * 2**20)  # below keep-all: 1.37 MiB (rank 0), 1.17 MiB (rank 1)
+    budget = int(1.3 * 2**20)  # below keep-all: 1.47 MiB (rank 0), 1.35 MiB (rank 1), pipelining buffers included
     assert main(["search", str(prof), "--budget", f"{budget}B", "--virtual-pipeline-stages", "2",
                  "-o", str(plan_path)]) == 0
     meta = yaml.safe_load(plan_path.read_text())["meta"]
