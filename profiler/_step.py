@@ -276,7 +276,38 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],
+        gradient_split=gradient_split(step.model, ops, layers.count if layers else 0),
     )
+
+
+def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> list[int]:
+    """``Profile.gradient_split``: each trainable parameter's bytes at the position of the last forward op of a
+    module using it (its own module, else the nearest enclosing module that ran ops)."""
+    last: dict[str, int] = {}
+    seen_layer = False
+    for op in ops:
+        if op.layer is not None:
+            pos, seen_layer = op.layer + 1, True
+        else:
+            pos = num_layers + 1 if seen_layer else 0
+        last[op.module] = max(last.get(op.module, 0), pos)
+    where: dict[int, tuple[int, int]] = {}  # storage -> (position, bytes)
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if not param.requires_grad:
+            continue
+        path = name.rpartition(".")[0]
+        while path not in last and path:
+            path = path.rpartition(".")[0]
+        pos = last.get(path)
+        if pos is None:
+            continue
+        st = param.untyped_storage()
+        key = st._cdata
+        where[key] = (max(pos, where[key][0]) if key in where else pos, st.nbytes())
+    split = [0] * (num_layers + 2)
+    for pos, nbytes in where.values():
+        split[pos] += nbytes
+    return split
 
 
 def _op_record(event: OpEvent, namer) -> OpRecord:

@@ -73,8 +73,9 @@ class StepModel:
     """Parameters + optimizer state + saved model inputs: held for the whole step."""
     grads: list[int]
     """Per position: gradient bytes allocated during its backward (gradients are set to None between
-    steps, as ``optimizer.zero_grad()`` does by default). Split by the position's share of matmul FLOPs
-    (weight sizes), evenly over the layers when the profile has no FLOPs."""
+    steps, as ``optimizer.zero_grad()`` does by default). Split as the profile's ``gradient_split`` (the
+    parameters each position uses), else by the position's share of matmul FLOPs (weight sizes), evenly
+    over the layers when the profile has neither."""
     boundary: int
     """Workspace at the start of backward beyond saved activations (loss, logits gradient)."""
     other_time: float
@@ -233,9 +234,13 @@ class StepModel:
         base = profile.static.total - profile.static.gradients + resident_grads + profile.saved_input_bytes
         boundary = max(0, profile.peak_memory - base - (saved - profile.saved_input_bytes))
         weight = [0.0] * (n + 2)
-        for u, rec in zip(units, profile.units):
-            weight[u.position] += sum(profile.ops[i].flops for i in rec.ops
-                                      if aten_label(profile.ops[i].op) == "matmul")
+        split = profile.gradient_split
+        if len(split) == n + 2 and sum(split[p] for p in range(n + 2) if positions[p]):
+            weight = [float(split[p]) if positions[p] else 0.0 for p in range(n + 2)]  # a stage: its positions only
+        else:
+            for u, rec in zip(units, profile.units):
+                weight[u.position] += sum(profile.ops[i].flops for i in rec.ops
+                                          if aten_label(profile.ops[i].op) == "matmul")
         if not sum(weight):
             weight = [0.0] + [1.0] * n + [0.0] if n else [1.0] * (n + 2)
         total = profile.static.gradients - resident_grads

@@ -119,6 +119,9 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
     names = {u.name for u in keep}
     outside = frozenset(u.name for u in profile.units if u.name not in names)
     share = len(layers) / max(n, 1)
+    split = profile.gradient_split
+    if len(split) == n + 2 and sum(split):  # the stage's own parameters: its layers, the embedding, the head
+        share = (sum(split[q + 1] for q in layers) + (split[0] if first else 0) + (split[-1] if last else 0)) / sum(split)
     st = profile.static
     static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
                      optimizer_state=int(st.optimizer_state * share))
