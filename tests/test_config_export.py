@@ -74,6 +74,8 @@ def test_an_empty_plan_exports_to_no_swap_and_no_recompute():
      "layer 9 out of range"),
     (Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {"layers.0": "swap",
                      "layers.0.attention": "keep"}}), "keep inside a recomputed or swapped module"),
+    (Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {
+        "layers.1": {"action": "recompute", "swap_input": True}}}), "cannot swap a recomputed layer's input"),
 ])
 def test_export_refuses_what_mindformers_cannot_say(plan, why):
     with pytest.raises(ConfigError, match=why):

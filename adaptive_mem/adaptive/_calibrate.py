@@ -73,9 +73,11 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     grads = [(p, p.grad) for p in bundle.model.parameters()]
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in plans}}
     moved: list[int] = []
-    quiet = logging.getLogger("adaptive_mem.runtime._resolve")  # the plans' "Set ..." lines, once per apply
-    level = quiet.level
-    quiet.setLevel(logging.WARNING)
+    # the plans' "Set ..." and "optimize: ..." lines, once per apply: calibration's own plans, not the user's
+    quiet = [logging.getLogger(f"adaptive_mem.runtime.{name}") for name in ("_resolve", "_apply")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.WARNING)
     try:
         _step_seconds(bundle, 0, device)
         for k in range(1, pairs + 1):
@@ -89,7 +91,8 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
                     if stats is not None:
                         moved.append(stats.offloaded_bytes - before)
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
         for p, g in grads:
             p.grad = g
     plain = statistics.median(times["plain"])

@@ -40,6 +40,9 @@ def _entries(plan: Plan, num_layers: int) -> list[tuple[str, int, str, object]]:
     containers = set()
     acting = [t for t, d in plan.decisions.items() if d.action is not Action.KEEP]
     for target, decision in plan.decisions.items():
+        if decision.swap_input:
+            raise ConfigError(f"plan.decisions.{target}: swap_input; MindFormers and Megatron configs cannot swap a "
+                              "recomputed layer's input; expected recompute without swap_input")
         if decision.action is Action.KEEP and not _covered(target, [t for t in acting if t != target]):
             continue  # an explicit keep where nothing else acts: the default, nothing to say
         container, index, local = _split(target, num_layers)
