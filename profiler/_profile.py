@@ -177,6 +177,9 @@ class Profile:
     parameter's bytes at the position of the last forward op of a module using it (tied weights count once, where
     backward first writes their gradient). Empty (and not written) when unknown: the step model then splits the
     gradients by matmul FLOPs."""
+    gradient_largest: list[int] = field(default_factory=list)
+    """Per position, the bytes of its largest parameter gradient: with resident gradients (accumulation into
+    ``.grad``) autograd allocates each new gradient before adding it, one at a time. Empty when unknown."""
     compiled: dict[str, Any] | None = None
     """Per-block ``torch.compile`` figures when the ops were rewritten to the compiled model (``profiler._compiled``,
     Note: [compiled profile]); None (and not written) for an eager profile."""
@@ -217,8 +220,9 @@ class Profile:
             del data["layer_stacks"]  # one stack: the version-1 form, readable by older readers
         if data["compiled"] is None:
             del data["compiled"]
-        if not data["gradient_split"]:
-            del data["gradient_split"]
+        for key in ("gradient_split", "gradient_largest"):
+            if not data[key]:
+                del data[key]
         return {"format": PROFILE_FORMAT, **data}
 
     def save(self, path: str | Path) -> None:
@@ -249,11 +253,12 @@ class Profile:
         if profile.model.get("parameters") is not None:
             _check("profile.model.parameters", profile.model["parameters"], "int")
         _check_stacks(profile)
-        split = profile.gradient_split
-        if not isinstance(split, list) or (split and (len(split) != profile.num_layers + 2 or not all(
-                _is(v, "int") and v >= 0 for v in split))):
-            raise ProfileError(f"profile.gradient_split={_short(split)}: expected a list of num_layers + 2 "
-                               f"({profile.num_layers + 2}) integers >= 0, or no key")
+        for key in ("gradient_split", "gradient_largest"):
+            split = getattr(profile, key)
+            if not isinstance(split, list) or (split and (len(split) != profile.num_layers + 2 or not all(
+                    _is(v, "int") and v >= 0 for v in split))):
+                raise ProfileError(f"profile.{key}={_short(split)}: expected a list of num_layers + 2 "
+                                   f"({profile.num_layers + 2}) integers >= 0, or no key")
         check_compiled(profile.compiled, ProfileError)
         _check_references(profile)
         return profile

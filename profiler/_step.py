@@ -276,13 +276,13 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],
-        gradient_split=gradient_split(step.model, ops, layers.count if layers else 0),
+        **dict(zip(("gradient_split", "gradient_largest"), gradient_split(step.model, ops, layers.count if layers else 0))),
     )
 
 
-def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> list[int]:
-    """``Profile.gradient_split``: each trainable parameter's bytes at the position of the last forward op of a
-    module using it (its own module, else the nearest enclosing module that ran ops)."""
+def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tuple[list[int], list[int]]:
+    """``Profile.gradient_split`` and ``gradient_largest``: each trainable parameter's bytes at the position of the
+    last forward op of a module using it (its own module, else the nearest enclosing module that ran ops)."""
     last: dict[str, int] = {}
     seen_layer = False
     for op in ops:
@@ -305,9 +305,11 @@ def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> li
         key = st._cdata
         where[key] = (max(pos, where[key][0]) if key in where else pos, st.nbytes())
     split = [0] * (num_layers + 2)
+    largest = [0] * (num_layers + 2)
     for pos, nbytes in where.values():
         split[pos] += nbytes
-    return split
+        largest[pos] = max(largest[pos], nbytes)
+    return split, largest
 
 
 def _op_record(event: OpEvent, namer) -> OpRecord:

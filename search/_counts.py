@@ -11,9 +11,10 @@ lower bound on the simulator's step time over the menu space (one option per lay
 * ``pending``:       P >= rate (start_1 + Y - T_f): bytes still queued for the host when backward
   starts (copies out run back to back from then on; ``Y`` = total copy-out time);
 * ``memory_post``:   k H + P + top's reloads issued at backward start <= cap - held(post) - boundary
-  - grads(post);
-* ``memory_top``:    k H + top (transient + swapped) <= cap - grads(top layer .. post);
-* ``memory_bottom``: (k-1) H + bot (held + transient + swapped) <= cap - grads(all);
+  - grads(post) - temp(post);
+* ``memory_top``:    k H + top (transient + swapped) <= cap - grads(top layer .. post) - temp(top);
+* ``memory_bottom``: (k-1) H + bot (held + transient + swapped) <= cap - grads(all) - temp(bottom)
+  (temp: with resident gradients, a new gradient before its accumulation, ``StepModel.grad_temp``);
   (reloads of other layers in flight only add memory: leaving them out relaxes);
 * ``on_demand``:     stall >= sum_{k: d_k = 0} n_k h2d_k  (each on-demand reload waits its copy);
 * ``top_lead`` / ``top_after_d2h``: the top layer's reloads start at backward start, after every
@@ -121,10 +122,12 @@ class _Counts:
         # pending: bytes still queued for the host at the end of the forward (P >= rate (start1 + Y - T_f))
         row("pending", [(pcol, 1.0), (lay, -rate * d2h)], rate * (start1 - tf), np.inf)
         self.memory_rows = [len(A), len(A) + 1, len(A) + 2]
+        temp = [v / MIB for v in (model.grad_temp or [0] * (n + 2))]
         row("memory_post", [(lay, k * held), (pcol, 1.0), (tcol, issued)], -np.inf,
-            cap - (held_post + model.boundary + model.grads[post]) / MIB)
-        row("memory_top", [(lay, k * held), (tcol, peak[tcol])], -np.inf, cap - grads(n))
-        row("memory_bottom", [(lay, (k - 1) * held), (bcol, held[bcol] + peak[bcol])], -np.inf, cap - grads(1))
+            cap - (held_post + model.boundary + model.grads[post]) / MIB - temp[post])
+        row("memory_top", [(lay, k * held), (tcol, peak[tcol])], -np.inf, cap - grads(n) - temp[n])
+        row("memory_bottom", [(lay, (k - 1) * held), (bcol, held[bcol] + peak[bcol])], -np.inf,
+            cap - grads(1) - temp[1])
         h2d, replay = vec("h2d", MS), vec("replay", MS)
         on_demand = np.concatenate([[o.h2d * MS if o.swapped and o.d == 0 else 0.0 for o in m] for m in menus])
         row("on_demand", [(s, 1.0), (lay, -on_demand)], 0, np.inf)

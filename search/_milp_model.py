@@ -138,8 +138,9 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
             if extra:
                 coefs[stall[p]] = -1.0
             rows.add(f"suffix_{attr}", coefs, 0, 0)
-    # memory_layer: at the end of layer L's backward, before its release:
-    #   (k-1) C_n + C_L + sum_k (transient_k + swapped_k) z[L,k]
+    temp = model.grad_temp or [0] * (n + 2)
+    # memory_layer: at the end of layer L's backward, before its release (temp_L: a gradient before accumulation):
+    #   (k-1) C_n + C_L + sum_k (transient_k + swapped_k) z[L,k] + temp_L
     #   + sum_{l<L} sum_{k: d_k >= L-l, swap} swapped_k z[l,k]   (reloads already issued)   <= cap
     last = layers[-1] if layers else None
     for L in layers:
@@ -155,15 +156,16 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
                 if o.swapped and o.d >= 1 and o.d >= L - l:
                     coefs[j] = coefs.get(j, 0.0) + o.swapped / MIB
         grads_so_far = sum(model.grads[q] for q in range(L, post + 1)) / MIB  # gradients of L and above exist
-        rows.add("memory_layer", coefs, -np.inf, cap - grads_so_far)
-    # memory_post:  k C_n + sum_{l,k: d_k>=1, l+d_k >= post} swapped_k z[l,k] <= cap - held_post - boundary
+        rows.add("memory_layer", coefs, -np.inf, cap - grads_so_far - temp[L] / MIB)
+    # memory_post:  k C_n + sum_{l,k: d_k>=1, l+d_k >= post} swapped_k z[l,k] <= cap - held_post - boundary - temp_post
     if layers:
         coefs = {cum[last]: float(k_in), pend_post: 1.0}
         for l in layers:
             for j, o in z(l):
                 if o.swapped and o.d >= 1 and l + o.d >= post:
                     coefs[j] = o.swapped / MIB
-        rows.add("memory_post", coefs, -np.inf, cap - (held_fixed[post] + model.boundary + model.grads[post]) / MIB)
+        rows.add("memory_post", coefs, -np.inf,
+                 cap - (held_fixed[post] + model.boundary + model.grads[post] + temp[post]) / MIB)
 
     # memory_forward: after the forward of unit v of position L (layer or post), with copies to host
     # still running (a copy of u cannot end before its in-layer chain  c_u = max(c_prev, fe_u) + d2h_u):

@@ -86,6 +86,10 @@ class StepModel:
     host_budget: int | None = None
     """Bytes of RAM the swap store may hold (None: unbounded); swaps beyond it go to the disk tier at
     ``hardware.disk_bandwidth``. Swaps take host memory in forward order, all of them at once."""
+    grad_temp: list[int] = field(default_factory=list)
+    """Per position: with resident gradients, the bytes of its largest parameter gradient, allocated before it is
+    added into ``.grad`` (one at a time) and held by the simulator through the position's backward; 0 with
+    per-step gradients (the first gradient is assigned, not added) or a profile without ``gradient_largest``."""
     input_swap: list[int] = field(default_factory=list)
     """Per position: bytes a whole-layer recompute with ``swap_input`` swaps: the outputs of the previous position
     read by this position alone (the hidden states; Note: [swapped checkpoint input])."""
@@ -254,9 +258,13 @@ class StepModel:
                 reach = {units[c].position for c in units[i].consumers}
                 if q in reach and reach <= {q - 1, q}:
                     input_swap[q] += units[i].saved or units[i].output
+        largest = profile.gradient_largest
+        grad_temp = ([v if positions[p] else 0 for p, v in enumerate(largest)]
+                     if not per_step and len(largest) == n + 2 else [0] * (n + 2))
         model = cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
                     base=base, grads=grads, boundary=boundary, other_time=other,
-                    forward_time=fwd, backward_time=bwd, host_budget=host_budget, input_swap=input_swap)
+                    forward_time=fwd, backward_time=bwd, host_budget=host_budget, input_swap=input_swap,
+                    grad_temp=grad_temp)
         used = 0
         for u in units:
             model.spill_bound.append(model.spill(used, u.saved))

@@ -283,7 +283,8 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             if seg.in_prefetch == 0:
                 reload(key, f"{_seg_name(model, seg)} input")
             wait(key, f"{_seg_name(model, seg)} input")
-        add(t, seg.transient)
+        temp = max(model.grad_temp[p] for p in seg.positions) if model.grad_temp else 0
+        add(t, seg.transient + temp)  # temp: a new gradient before its accumulation (resident gradients)
         add(t, sum(model.grads[p] for p in seg.positions))
         if seg.replay:
             if record:
@@ -301,7 +302,7 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
             t += u.bwd
         if record and seg.units:
             intervals.append(Interval("compute", "backward", start, t, _seg_name(model, seg)))
-        add(t, -(seg.held + seg.transient + sum(units[i].saved for i in seg.swaps)))
+        add(t, -(seg.held + seg.transient + temp + sum(units[i].saved for i in seg.swaps)))
         if k == 0:
             add(t, -model.boundary)
 
