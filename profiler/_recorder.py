@@ -35,11 +35,19 @@ __all__ = ["OpEvent", "Recorder", "storage_key"]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
-    """The tensor's storage; None for tensors without one (sparse, some wrapper subclasses)."""
+    """The tensor's storage (a DTensor's: its local shard's, what the rank holds); None for tensors without one
+    (sparse, some wrapper subclasses)."""
+    t = local_shard(t)
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself (the wrapper's storage has the global size)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) and type(t).__name__ == "DTensor" else t
 
 
 def storage_key(t: torch.Tensor) -> int | None:

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ._profile import StaticMemory
+from ._recorder import local_shard
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +23,7 @@ def unique_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights count once)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = t.untyped_storage()
+        st = local_shard(t).untyped_storage()
         seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 

@@ -17,7 +17,7 @@ from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
-from ._recorder import OpEvent, Recorder
+from ._recorder import OpEvent, Recorder, local_shard
 from ._static import static_memory
 from ._timing import timed
 
@@ -301,7 +301,7 @@ def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tu
         pos = last.get(path)
         if pos is None:
             continue
-        st = param.untyped_storage()
+        st = local_shard(param).untyped_storage()
         key = st._cdata
         where[key] = (max(pos, where[key][0]) if key in where else pos, st.nbytes())
     split = [0] * (num_layers + 2)

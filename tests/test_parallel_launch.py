@@ -63,6 +63,19 @@ def test_run_adaptive_on_two_ddp_ranks(tmp_path):
     assert re.search(r"^rank 0: adaptive memory: .*1 profiles", out, re.M), out
 
 
+def test_run_adaptive_under_tensor_parallel_plans_with_the_ranks_local_shards(tmp_path):
+    """A DTensor rank's profile counts its local shards (``profiler._recorder.local_shard``): a budget under the plain
+    TP run's own peak is planned and met; with global sizes the loop refused it as below the minimum feasible."""
+    plain = _run(tmp_path, "--parallel", "tp")
+    peak = int(re.search(r"^peak device memory: rank 0 (\d+) bytes", plain, re.M).group(1))
+    budget = int(peak * 0.95)
+    out = _run(tmp_path, "--parallel", "tp", "--adaptive-memory-optimization", "--memory-budget", f"{budget}B")
+    assert re.search(r"^rank 0: adaptive memory: converged", out, re.M), out
+    ranks = re.search(r"^peak device memory: rank 0 \d+ bytes .*; per rank \[(\d+), (\d+)\]$", out, re.M)
+    assert ranks is not None and max(int(ranks.group(1)), int(ranks.group(2))) <= budget, (out, budget)
+    assert _losses(out) == _losses(plain)
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--parallel", "pp", "--nproc", "1"], "--parallel=pp with --nproc=1: expected --nproc >= 2 (one rank per "
                                            "pipeline stage)"),

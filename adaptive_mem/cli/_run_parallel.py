@@ -80,10 +80,13 @@ def run_parallel(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="adaptive-mem-run-") as out:
         context = mp.spawn(_worker, args=(args.nproc, _free_port(), args, out), nprocs=args.nproc, join=False)
         deadline = time.monotonic() + 2 * TIMEOUT + args.steps
+        died: Exception | None = None
         try:
             while not context.join(timeout=2):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"--nproc={args.nproc}: ranks still running after {2 * TIMEOUT + args.steps} s")
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            died = exc  # a refusal on one rank can abort its peer inside a collective: the refusal is the cause
         finally:
             for p in context.processes:
                 if p.is_alive():
@@ -91,6 +94,8 @@ def run_parallel(args: argparse.Namespace) -> int:
         errors = sorted(Path(out).glob("error-rank*.txt"))
         if errors:
             raise ValueError(errors[0].read_text())
+        if died is not None:
+            raise died
         return int((Path(out) / "rc").read_text())
 
 
