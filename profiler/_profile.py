@@ -173,13 +173,9 @@ class Profile:
     """With several stacks of blocks (encoder-decoder): ``{"container": path, "count": blocks}`` per stack in
     layer-index order; empty (and not written) for one stack. Note: [several layer stacks]."""
     gradient_split: list[int] = field(default_factory=list)
-    """Bytes of parameter gradients per position (before the layers, each layer, after them): each trainable
-    parameter's bytes at the position of the last forward op of a module using it (tied weights count once, where
-    backward first writes their gradient). Empty (and not written) when unknown: the step model then splits the
-    gradients by matmul FLOPs."""
+    """Gradient bytes per position (pre, layers, post), by each parameter's last forward use (profile-format.md)."""
     gradient_largest: list[int] = field(default_factory=list)
-    """Per position, the bytes of its largest parameter gradient: with resident gradients (accumulation into
-    ``.grad``) autograd allocates each new gradient before adding it, one at a time. Empty when unknown."""
+    """Per position, its largest parameter gradient's bytes (profile-format.md); empty when unknown, as the split."""
     compiled: dict[str, Any] | None = None
     """Per-block ``torch.compile`` figures when the ops were rewritten to the compiled model (``profiler._compiled``,
     Note: [compiled profile]); None (and not written) for an eager profile."""
@@ -220,9 +216,8 @@ class Profile:
             del data["layer_stacks"]  # one stack: the version-1 form, readable by older readers
         if data["compiled"] is None:
             del data["compiled"]
-        for key in ("gradient_split", "gradient_largest"):
-            if not data[key]:
-                del data[key]
+        for key in [k for k in ("gradient_split", "gradient_largest") if not data[k]]:
+            del data[key]
         return {"format": PROFILE_FORMAT, **data}
 
     def save(self, path: str | Path) -> None:
@@ -253,12 +248,10 @@ class Profile:
         if profile.model.get("parameters") is not None:
             _check("profile.model.parameters", profile.model["parameters"], "int")
         _check_stacks(profile)
-        for key in ("gradient_split", "gradient_largest"):
-            split = getattr(profile, key)
-            if not isinstance(split, list) or (split and (len(split) != profile.num_layers + 2 or not all(
-                    _is(v, "int") and v >= 0 for v in split))):
-                raise ProfileError(f"profile.{key}={_short(split)}: expected a list of num_layers + 2 "
-                                   f"({profile.num_layers + 2}) integers >= 0, or no key")
+        for key, v in (("gradient_split", profile.gradient_split), ("gradient_largest", profile.gradient_largest)):
+            if not isinstance(v, list) or v and (len(v) != profile.num_layers + 2 or not all(_is(x, "int") and x >= 0
+                                                                                            for x in v)):
+                raise ProfileError(f"profile.{key}={_short(v)}: expected num_layers + 2 integers >= 0, or no key")
         check_compiled(profile.compiled, ProfileError)
         _check_references(profile)
         return profile

@@ -19,16 +19,18 @@ __all__ = ["OPTIMIZERS", "static_memory", "unique_bytes"]
 OPTIMIZERS: dict[str, int] = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}
 
 
-def unique_bytes(tensors) -> int:
-    """Bytes of the distinct storages behind ``tensors`` (tied weights count once)."""
+def unique_bytes(tensors, *, whole: frozenset[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (tied weights count once; a DTensor's local shard, what
+    the rank holds, unless its ``id`` is in ``whole``)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = local_shard(t).untyped_storage()
+        st = (t if id(t) in whole else local_shard(t)).untyped_storage()
         seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
-def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Optimizer) -> tuple[int, str]:
+def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Optimizer, *,
+                     whole: frozenset[int] = frozenset()) -> tuple[int, str]:
     numel = sum(p.numel() for p in {id(p): p for p in params}.values())
     if isinstance(optimizer, str):
         key = optimizer.lower()
@@ -42,10 +44,11 @@ def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Op
     name = type(optimizer).__name__.lower()
     state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     if state:
-        return unique_bytes(state), name
+        of_whole = frozenset(id(t) for p, s in optimizer.state.items() if id(p) in whole for t in s.values())
+        return unique_bytes(state, whole=of_whole), name
     # torch creates the state lazily at the first step, one tensor per parameter-sized buffer, in the
     # parameters' dtype; the buffers each torch optimizer keeps (torch/optim/<name>.py, _init_group).
-    return _lazy_state_copies(optimizer) * unique_bytes(params), name
+    return _lazy_state_copies(optimizer) * unique_bytes(params, whole=whole), name
 
 
 def _lazy_state_copies(optimizer: torch.optim.Optimizer) -> int:
@@ -72,8 +75,21 @@ def static_memory(model: nn.Module, *, optimizer: str | torch.optim.Optimizer | 
     """Parameters, buffers, gradients (trainable parameters) and optimizer state (Adam when not given)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    state, name = _optimizer_state(trainable, "adam" if optimizer is None else optimizer)
+    whole = _fsdp_parameters(model)
+    state, name = _optimizer_state(trainable, "adam" if optimizer is None else optimizer, whole=whole)
     return StaticMemory(
-        parameters=unique_bytes(params), gradients=unique_bytes(trainable), optimizer_state=state, optimizer=name,
+        parameters=unique_bytes(params, whole=whole), gradients=unique_bytes(trainable, whole=whole),
+        optimizer_state=state, optimizer=name,
         buffers=unique_bytes(b for b in model.buffers() if b is not None),
     )
+
+
+def _fsdp_parameters(model: nn.Module) -> frozenset[int]:
+    """Parameters FSDP2 manages: counted whole. A rank holds their shards, but all-gathers each layer's parameters
+    (and reduce-scatters its unsharded gradients) in flight, with prefetch; the whole size keeps the static check on
+    the safe side of that (tests/test_adaptive_refusals.py). Tensor-parallel DTensors count their local shard."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return frozenset()
+    return frozenset(id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters())

@@ -85,8 +85,8 @@ def test_recompute_runs_compiled_and_exact(mode: str, name: str, caplog):
     bundle, batch = _fresh()
     model = bundle.model
     caplog.set_level(logging.WARNING, logger="adaptive_mem")
-    # Under a whole-model compile the first-forward check of provisional targets (op units of non-leaf
-    # modules: layers.0.add) would run inside the compiled frame and break it: verify them at install.
+    # Whole-model compile: provisional targets verified at install here; without example_inputs the first-forward
+    # check runs outside dynamo (Note: [first forward outside dynamo], tests/test_compile_whole.py).
     inputs = (batch[0],) if mode == "whole" else None
     with optimize(model, plan=_plan(*PLANS[name]), example_inputs=inputs) as handle:
         call = _compile(model, mode)

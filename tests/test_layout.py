@@ -139,7 +139,7 @@ def test_cli_profile_then_search_per_stage(tmp_path, capsys):
                  "--pipeline-stages", "2", "--micro-batches", "2", "--sequence-parallel", "-o", str(prof)]) == 0
     assert profiler.Profile.load(prof).model["layout"]["pipeline_stages"] == 2
     plan_path = tmp_path / "plan.yaml"
-    assert main(["search", str(prof), "--activation-budget", "0.5", "-o", str(plan_path)]) == 0
+    assert main(["search", str(prof), "--activation-budget", "0.6", "-o", str(plan_path)]) == 0
     meta = yaml.safe_load(plan_path.read_text())["meta"]
     assert [s["in_flight"] for s in meta["pipeline"]["per_stage"]] == [2, 1]
     assert [s["layers"] for s in meta["pipeline"]["per_stage"]] == [[0, 1], [2, 3]]
@@ -147,7 +147,7 @@ def test_cli_profile_then_search_per_stage(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "stage 0 (2 micro-batches in flight)" in out and "pipelined step (1f1b" in out
     for fmt, path in (("plan", tmp_path / "block.yaml"), ("mindformers", tmp_path / "mf.yaml")):
-        assert main(["search", str(prof), "--activation-budget", "0.5", "--solver", "block", "--format", fmt,
+        assert main(["search", str(prof), "--activation-budget", "0.6", "--solver", "block", "--format", fmt,
                      "-o", str(path)]) == 0
     config = yaml.safe_load((tmp_path / "mf.yaml").read_text())
     assert config["parallel_config"] == {"pipeline_stage": 2}
@@ -160,7 +160,7 @@ def test_cli_profile_then_search_per_stage(tmp_path, capsys):
     assert {t for t, d in back.decisions.items() if d.action is Action.RECOMPUTE} == \
         {t for t, d in planned.decisions.items() if d.action is Action.RECOMPUTE}
     mg = tmp_path / "mg.txt"
-    assert main(["search", str(prof), "--activation-budget", "0.5", "--solver", "full", "--format", "megatron",
+    assert main(["search", str(prof), "--activation-budget", "0.6", "--solver", "full", "--format", "megatron",
                  "-o", str(mg)]) == 0
     assert mg.read_text().split() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                       "--sequence-parallel", "--recompute-granularity", "full", "--recompute-method",
@@ -208,7 +208,7 @@ def test_interleaved_rank_budget_split_over_chunks(tmp_path, capsys):
     assert main(["profile", "--model", "llama-tiny", "--device", "meta", "--seq-len", "16", "--tensor-parallel", "2",
                  "--pipeline-stages", "2", "--micro-batches", "4", "-o", str(prof)]) == 0
     plan_path = tmp_path / "plan.yaml"
-    budget = int(1.3 * 2**20)  # below keep-all: 1.47 MiB (rank 0), 1.35 MiB (rank 1), pipelining buffers included
+    budget = int(1.4 * 2**20)  # below keep-all: 1.55 MiB (rank 0), 1.45 MiB (rank 1), pipelining buffers included
     assert main(["search", str(prof), "--budget", f"{budget}B", "--virtual-pipeline-stages", "2",
                  "-o", str(plan_path)]) == 0
     meta = yaml.safe_load(plan_path.read_text())["meta"]

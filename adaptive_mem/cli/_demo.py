@@ -3,7 +3,8 @@
 Profile ``llama-small`` on this CPU, pick a budget halfway between full recompute and keeping
 everything (so the plan must trade memory for time), search the ``milp`` plan, apply it and
 train, next to no checkpointing, full recompute, ``torch.compile`` alone and the plan searched on the
-model compiled per block then compiled (each in its own process); ours is also searched and run at full
+model compiled per block then compiled (whole model when it swaps nothing, else per block; each in its own
+process); ours is also searched and run at full
 recompute's and at compile's measured peaks. Then print a short summary and write the bench report
 (``report.md``, ``results.json``, PNGs) to ``--out``.
 """
