@@ -31,7 +31,7 @@ from ._cost import estimate_seconds, op_bytes, op_flops
 from ._profile import HardwareSpec
 from ._units import UnitNamer, is_view_op
 
-__all__ = ["OpEvent", "Recorder", "storage_key"]
+__all__ = ["OpEvent", "Recorder", "local_shard", "storage_key"]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -45,7 +45,8 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself (the wrapper's storage has the global size)."""
+    """A DTensor's local shard (what its rank holds: the wrapper's storage has the global size); any other tensor
+    itself. Profiles count it, the swap engine moves it (Note: [DTensor swap])."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) and type(t).__name__ == "DTensor" else t
 

@@ -268,6 +268,7 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
     info["fingerprint"] = model_fingerprint(step.model, input_shapes=[list(t.shape) for t in step.inputs],
                                             dtype=info["dtype"])
     layers = namer.layers
+    split, largest = gradient_split(step.model, ops, layers.count if layers else 0)
     return Profile(
         model=info, device=device.type, measured=not fake, hardware=hw,
         layer_container=layers.container if layers else None, num_layers=layers.count if layers else 0,
@@ -276,7 +277,7 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],
-        **dict(zip(("gradient_split", "gradient_largest"), gradient_split(step.model, ops, layers.count if layers else 0))),
+        gradient_split=split, gradient_largest=largest,
     )
 
 

@@ -68,12 +68,14 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
     for u in model.units:
         best = -1
         found: list = []
+        targets: list[str] = []
         for target, decision in plan.decisions.items():
             if not target or u.name == target or u.name.startswith(target + "."):
                 if len(target) > best:
-                    best, found = len(target), [decision]
+                    best, found, targets = len(target), [decision], [target]
                 elif len(target) == best:
                     found.append(decision)
+                    targets.append(target)
         kinds = {d.action for d in found}
         if Action.RECOMPUTE in kinds and Action.SWAP in kinds:
             log.info("unit %s is marked both recompute and swap: recomputed", u.name)
@@ -84,8 +86,8 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
             raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
                             f"recompute targets inside {_layer_pattern(model)}")
         swap_decision = next((d for d in found if d.action is Action.SWAP), None)
-        swap_in[u.index] = next(((t, d.backward_prefetch) for t, d in plan.decisions.items() if d in found
-                                 and d.swap_input and action is Action.RECOMPUTE), None)
+        swap_in[u.index] = next(((t, d.backward_prefetch) for t, d in zip(targets, found)
+                                 if d.swap_input and action is Action.RECOMPUTE), None)
         actions.append(action)
         prefetch.append(swap_decision.backward_prefetch if swap_decision else 1)
     groups: list[tuple[int, int]] = []

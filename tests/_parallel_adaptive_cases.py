@@ -5,8 +5,7 @@ run without the loop; a DP group whose ranks step different models; per-stage gr
 from __future__ import annotations
 
 import datetime
-import traceback
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -16,6 +15,7 @@ from adaptive_mem import DeviceMemory, adaptive_optimize
 from adaptive_mem.runtime._accounting import host_allocations
 
 from _adaptive_common import bundle, optimizer
+from _spawn import guard
 
 __all__ = ["STEPS", "TIMEOUT", "worker"]
 
@@ -28,6 +28,16 @@ def _ddp(module: torch.nn.Module) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel(module)
+
+
+def _record_and_step(out: dict[str, Any], model: torch.nn.Module, am: Any, opt: torch.optim.Optimizer) -> None:
+    """Keep the step's gradients (and the loop's plan), then the optimizer step."""
+    with host_allocations():  # the copies kept for the comparison are no device memory of the step
+        out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+    if am is not None:
+        out["plans"].append(am.plan.to_dict() if am.plan is not None else None)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
 
 def _train(*, rank: int, cap: int | None, budget: int | None, cache_dir: str | None = None) -> dict[str, Any]:
@@ -49,12 +59,7 @@ def _train(*, rank: int, cap: int | None, budget: int | None, cache_dir: str | N
                 loss.backward()
                 del loss, logits
                 out["peaks"].append(mem.peak)
-                with host_allocations():  # the copies kept for the comparison are no device memory of the step
-                    out["grads"].append({n: p.grad.detach().clone() for n, p in model.named_parameters()})
-                if am is not None:
-                    out["plans"].append(am.plan.to_dict() if am.plan is not None else None)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _record_and_step(out, model, am, opt)
     finally:
         if am is not None:
             out["history"] = [vars(r).copy() for r in am.history]
@@ -100,12 +105,7 @@ def _pipeline(*, rank: int, budget: int | None) -> dict[str, Any]:
                 mem.reset_peak()
                 out["losses"].append(pm.step(*b.batch(seed=step)))
                 out["peaks"].append(mem.peak)
-                with host_allocations():
-                    out["grads"].append({n: p.grad.detach().clone() for n, p in pm.module.named_parameters()})
-                if am is not None:
-                    out["plans"].append(am.plan.to_dict() if am.plan is not None else None)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
+                _record_and_step(out, pm.module, am, opt)
     finally:
         if am is not None:
             out["history"] = [vars(r).copy() for r in am.history]
@@ -114,36 +114,28 @@ def _pipeline(*, rank: int, budget: int | None) -> dict[str, Any]:
     return out
 
 
-def _guard(results: dict, name: str, fn: Callable[[], dict]) -> None:
-    try:
-        results[name] = {"error": None, **fn()}
-    except Exception as exc:  # recorded for the parent's assertion
-        results[name] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-1500:]}
-    dist.barrier()
-
-
 def worker(rank: int, world: int, port: int, out: str, cache_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT))
     results: dict = {}
     try:
-        _guard(results, "plain", lambda: _train(rank=rank, cap=None, budget=None))
+        guard(results, "plain", lambda: _train(rank=rank, cap=None, budget=None))
         peak = max(results["plain"].get("peaks") or [0])
         peak = dist.broadcast_object_list(box := [peak], src=0) or box[0]
         budget = int(0.65 * peak)
         results["budget"] = budget
-        _guard(results, "same", lambda: _train(rank=rank, cap=budget, budget=budget))
+        guard(results, "same", lambda: _train(rank=rank, cap=budget, budget=budget))
         # a tighter device on rank 1 only: its rescues must re-plan rank 0 too
         tight = budget if rank == 0 else int(0.8 * budget)
-        _guard(results, "rescue", lambda: _train(rank=rank, cap=tight, budget=budget, cache_dir=cache_dir))
-        _guard(results, "cached", lambda: _train(rank=rank, cap=tight, budget=budget, cache_dir=cache_dir))
-        _guard(results, "mismatch", lambda: _mismatched_models(rank))
-        _guard(results, "stages", lambda: _stage_groups(rank))
-        _guard(results, "pp-plain", lambda: _pipeline(rank=rank, budget=None))
+        guard(results, "rescue", lambda: _train(rank=rank, cap=tight, budget=budget, cache_dir=cache_dir))
+        guard(results, "cached", lambda: _train(rank=rank, cap=tight, budget=budget, cache_dir=cache_dir))
+        guard(results, "mismatch", lambda: _mismatched_models(rank))
+        guard(results, "stages", lambda: _stage_groups(rank))
+        guard(results, "pp-plain", lambda: _pipeline(rank=rank, budget=None))
         stage_peak = torch.tensor(max(results["pp-plain"].get("peaks") or [0]))
         dist.all_reduce(stage_peak, op=dist.ReduceOp.MAX)  # one budget for both stages: their plans still differ
-        _guard(results, "pp", lambda: _pipeline(rank=rank, budget=int(0.6 * int(stage_peak))))
+        guard(results, "pp", lambda: _pipeline(rank=rank, budget=int(0.6 * int(stage_peak))))
         torch.save(results, f"{out}/rank{rank}.pt")
         dist.barrier()
     finally:

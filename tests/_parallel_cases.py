@@ -7,7 +7,6 @@ gradient, local shard, differs), and case-specific figures (``offloaded``, ``exp
 from __future__ import annotations
 
 import datetime
-import traceback
 from typing import Any, Callable
 
 import torch
@@ -17,6 +16,8 @@ from torch import nn
 
 from adaptive_mem import build_model, optimize
 from search import Plan
+
+from _spawn import guard
 
 __all__ = ["PLANS", "worker"]
 
@@ -65,14 +66,6 @@ def _compare(got: tuple, ref: tuple) -> dict[str, Any]:
     return {"loss": torch.equal(loss, ref_loss), "mismatched": mismatched, "count": len(grads)}
 
 
-def _guard(results: dict, name: str, fn: Callable[[], dict]) -> None:
-    try:
-        results[name] = {"error": None, **fn()}
-    except Exception as exc:  # recorded for the parent's assertion, with where it was raised
-        results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600] + "\n" + traceback.format_exc()[-1500:]}
-    dist.barrier()
-
-
 # ------------------------------------------------------------------------------------------ DDP and FSDP2
 def _ddp(model: nn.Module) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel
@@ -108,7 +101,7 @@ def _data_parallel(results: dict, rank: int, layout: str, wrap: Callable[[nn.Mod
                     stats = handle.swap_stats
                     return {**_compare(got, ref), "offloaded": stats.offloaded_bytes if stats else 0,
                             "summary": str(handle.summary())}
-            _guard(results, f"{layout}-{plan_name}-{order}", case)
+            guard(results, f"{layout}-{plan_name}-{order}", case)
 
 
 # ------------------------------------------------------------------------------------------ entry
@@ -125,12 +118,12 @@ def worker(rank: int, world: int, port: int, out: str, groups: list[str]) -> Non
         if "tp" in groups or "sp" in groups:
             from _parallel_tp import tensor_parallel
 
-            tensor_parallel(results, rank, groups, guard=_guard, plan=_plan, bundle=_bundle, step=_step,
+            tensor_parallel(results, rank, groups, guard=guard, plan=_plan, bundle=_bundle, step=_step,
                             compare=_compare)
         if "pp" in groups:
             from _parallel_pp import pipeline_parallel
 
-            pipeline_parallel(results, rank, guard=_guard, plan=_plan, bundle=_bundle, compare=_compare)
+            pipeline_parallel(results, rank, guard=guard, plan=_plan, bundle=_bundle, compare=_compare)
         torch.save(results, f"{out}/rank{rank}.pt")
         dist.barrier()
     finally:

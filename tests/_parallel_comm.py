@@ -17,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from adaptive_mem import DeviceMemory, optimize
 from search import Plan
 
+from _spawn import guard
+
 __all__ = ["KEEP_COMMS", "TIMEOUT", "worker"]
 
 TIMEOUT = 240
@@ -120,14 +122,14 @@ def _cases(results: dict, rank: int, *, guard: Callable, bundle: Callable, local
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
-    from _parallel_cases import _bundle, _grads, _guard, _local
+    from _parallel_cases import _bundle, _grads, _local
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=TIMEOUT))
     results: dict = {}
     try:
-        _cases(results, rank, guard=_guard, bundle=_bundle, local=_local, grads=_grads)
+        _cases(results, rank, guard=guard, bundle=_bundle, local=_local, grads=_grads)
         torch.save(results, f"{out}/rank{rank}.pt")
         dist.barrier()
     finally:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_ranks"]
+__all__ = ["free_port", "guard", "spawn_ranks"]
 
 
 def free_port() -> int:
@@ -37,3 +38,15 @@ def spawn_ranks(worker: Callable[..., Any], *args: Any, out: Path, timeout: floa
             if p.is_alive():
                 p.kill()
     return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in range(nprocs)]
+
+
+def guard(results: dict, name: str, fn: Callable[[], dict]) -> None:
+    """Run one case on this rank: its result, or the failure (type and message; ``trace``: where it was raised) recorded for the
+    parent's assertion, then a barrier so every rank starts the next case together."""
+    import torch.distributed as dist
+
+    try:
+        results[name] = {"error": None, **fn()}
+    except Exception as exc:  # recorded for the parent's assertion, with where it was raised
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": traceback.format_exc()[-1500:]}
+    dist.barrier()

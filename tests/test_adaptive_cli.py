@@ -26,7 +26,7 @@ def test_cli_run_with_the_flag(capsys, tmp_path):
 
 
 def test_example_trains_an_hf_model_with_the_flag(tmp_path, capsys):
-    pytest.importorskip("transformers")
+    pytest.importorskip("transformers", reason="Hugging Face models need transformers (the [test] extra installs it)")
     import importlib.util
     from pathlib import Path
 

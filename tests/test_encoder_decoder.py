@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-transformers = pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers", reason="Hugging Face models need transformers (the [test] extra installs it)")
 
 import adaptive_mem  # noqa: E402
 import profiler  # noqa: E402

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="Hugging Face models need transformers (the [test] extra installs it)")
 
 from adaptive_mem.cli import main  # noqa: E402
 from adaptive_mem.models._hf import HF_FAMILIES  # noqa: E402

@@ -34,7 +34,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 def _exact(ranks: list[dict], name: str) -> list[dict]:
     found = [r[name] for r in ranks]
     for rank, result in enumerate(found):
-        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result.get('trace')}"
         assert result["loss"], f"rank {rank}: loss differs"
         assert result["count"] > 0 and result["mismatched"] == [], f"rank {rank}: gradients differ: {result['mismatched']}"
     return found

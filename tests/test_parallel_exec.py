@@ -31,7 +31,7 @@ def _exact(ranks: list[dict], name: str) -> list[dict]:
     if not found:
         pytest.skip(f"{name}: its group was not run (PARALLEL_EXEC_GROUPS)")
     for rank, result in enumerate(found):
-        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        assert result["error"] is None, f"rank {rank}: {result['error']}\n{result.get('trace')}"
         assert result["loss"], f"rank {rank}: loss differs"
         assert result["count"] > 0 and result["mismatched"] == [], f"rank {rank}: gradients differ: {result['mismatched']}"
     return found
@@ -39,8 +39,8 @@ def _exact(ranks: list[dict], name: str) -> list[dict]:
 
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("plan", sorted(PLANS))
-@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
-def test_data_parallel_plan_is_exact_in_either_order(ranks, layout, plan, order):
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp", "sp"])
+def test_data_or_tensor_parallel_plan_is_exact_in_either_order(ranks, layout, plan, order):
     found = _exact(ranks, f"{layout}-{plan}-{order}")
     for result in found:
         assert (result["offloaded"] > 0) == (plan == "swap"), result
@@ -52,15 +52,6 @@ def test_pipeline_stage_modules_with_their_own_plans_are_exact(ranks, schedule):
     for result in found:
         assert (result["offloaded"] > 0) == result["swaps"], result
         assert all("layers recomputed" in s for s in result["summaries"]), result["summaries"]
-
-
-@pytest.mark.parametrize("order", ["before", "after"])
-@pytest.mark.parametrize("plan", sorted(PLANS))
-@pytest.mark.parametrize("layout", ["tp", "sp"])
-def test_tensor_parallel_plan_is_exact_in_either_order(ranks, layout, plan, order):
-    found = _exact(ranks, f"{layout}-{plan}-{order}")
-    for result in found:
-        assert (result["offloaded"] > 0) == (plan == "swap"), result
 
 
 @pytest.mark.parametrize("order", ["before", "after"])

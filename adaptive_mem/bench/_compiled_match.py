@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from search import resolve, simulate_assignment
+from search import simulate_assignment
+from search._budget import keep_all
 from search._plan import Plan
 
 from ._policy_compiled import compile_layout
@@ -28,8 +29,7 @@ def whole_model_offset(ctx: Any, rows: list, measured: list) -> int | None:
     for k, (row, job) in enumerate(rows):
         first = measured[k][0] if measured[k] else {}
         if job is not None and row["policy"] == "compile" and row["budget"] == 1.0 and first.get("status") == "ok":
-            keep = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": {}})
-            return int(simulate_assignment(ctx.model, resolve(ctx.model, keep)).peak_bytes) - int(first["peak_bytes"])
+            return int(simulate_assignment(ctx.model, keep_all(ctx.model)).peak_bytes) - int(first["peak_bytes"])
     return None
 
 

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-__all__ = ["Applied", "Policy", "PolicyError", "layers_of"]
+__all__ = ["Applied", "Policy", "PolicyError", "compile_whole_model", "layers_of"]
 
 
 class PolicyError(ValueError):
@@ -75,6 +75,20 @@ class Policy:
 
     def apply(self, bundle: Any, optimizer: torch.optim.Optimizer, job: dict[str, Any]) -> Applied:
         raise NotImplementedError
+
+
+def compile_whole_model(model: nn.Module, *, backend: str, budget: float) -> tuple[nn.Module, Callable[[], None]]:
+    """``torch.compile(model)`` with ``activation_memory_budget`` = ``budget``; returns it and the undo."""
+    import torch._dynamo
+    import torch._functorch.config as functorch_config
+
+    functorch_config.activation_memory_budget = float(budget)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+
+    def undo() -> None:
+        functorch_config.activation_memory_budget = 1.0
+        torch._dynamo.reset()
+    return compiled, undo
 
 
 def layers_of(model: nn.Module) -> list[nn.Module]:

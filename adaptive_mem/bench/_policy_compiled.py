@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._policy_base import Applied, Policy, layers_of
+from ._policy_base import Applied, Policy, compile_whole_model, layers_of
 
 __all__ = ["MilpCompiledPolicy", "compile_blocks", "compile_layout"]
 
@@ -59,9 +59,6 @@ class MilpCompiledPolicy(Policy):
     def apply(self, bundle, optimizer, job):
         import dataclasses
 
-        import torch
-        import torch._functorch.config as functorch_config
-
         from adaptive_mem._optimize import optimize
         from search._plan import Plan
 
@@ -77,10 +74,9 @@ class MilpCompiledPolicy(Policy):
                 undo()
                 handle.remove()
             return Applied(bundle, remove, info=info)
-        functorch_config.activation_memory_budget = 1.0
-        compiled = torch.compile(bundle.model, backend=backend, dynamic=False)
+        compiled, undo_compile = compile_whole_model(bundle.model, backend=backend, budget=1.0)
 
         def remove_whole() -> None:
-            torch._dynamo.reset()
+            undo_compile()
             handle.remove()
         return Applied(dataclasses.replace(bundle, model=compiled), remove_whole, info=info)

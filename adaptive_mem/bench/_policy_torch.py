@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ._policy_base import Applied, Policy, _checkpointed, _undo_all, _wrap_forward, layers_of
+from ._policy_base import Applied, Policy, _checkpointed, _undo_all, _wrap_forward, compile_whole_model, layers_of
 
 __all__ = ["CompileBudget", "SacIlp"]
 
@@ -32,20 +32,11 @@ class CompileBudget(Policy):
         return {"budget_bytes": ctx.budget_bytes(budget)}
 
     def apply(self, bundle, optimizer, job):
-        import torch._dynamo
-        import torch._functorch.config as functorch_config
-
         # inductor (the default) is what a user picks; aot_eager (--compile-backend) runs the same min-cut
         # partitioner, where the budget acts, without inductor's codegen: seconds to compile, eager kernels.
         backend = job.get("compile_backend", "inductor")
-        functorch_config.activation_memory_budget = float(job["budget"])
-        compiled = torch.compile(bundle.model, backend=backend, dynamic=False)
-        info: dict[str, Any] = {"backend": backend}
-
-        def remove() -> None:
-            functorch_config.activation_memory_budget = 1.0
-            torch._dynamo.reset()
-        return Applied(dataclasses.replace(bundle, model=compiled), remove, info=info)
+        compiled, undo = compile_whole_model(bundle.model, backend=backend, budget=job["budget"])
+        return Applied(dataclasses.replace(bundle, model=compiled), undo, info={"backend": backend})
 
 
 def _sac_decisions(stats: Any, keep_fraction: float) -> dict[str, collections.deque]:

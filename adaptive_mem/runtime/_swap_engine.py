@@ -34,6 +34,8 @@ from typing import Any, Callable
 
 import torch
 
+from profiler._recorder import local_shard
+
 from ._copier import Copy, make_copier
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
@@ -64,11 +66,6 @@ def parameter_storages(module: Any) -> set[int]:
     """Keys (``_cdata``) of the storages behind ``module``'s current parameters."""
     return {p.untyped_storage()._cdata for p in module.parameters()}
 
-
-def local_shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (what its rank holds), any other tensor itself (Note: [DTensor swap])."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) and type(t).__name__ == "DTensor" else t
 
 log = logging.getLogger(__name__)
 
