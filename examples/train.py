@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import sys
 
@@ -96,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"step {step + 1}: loss {loss.item():.4f}{peak}")
                 if isinstance(device, adaptive_mem.DeviceMemory):
                     device.reset_peak()
+        if layout is not None:  # no collective in flight on any rank when the group goes (gloo's worker
+            gc.collect()  # threads must not outlive the interpreter holding tensors); DDP's reducer first
+            torch.distributed.barrier()
     finally:
         if handle is not None:
             if hasattr(handle, "summary") and show:

@@ -2,18 +2,25 @@
 
 from __future__ import annotations
 
-import socket
+import datetime
+import os
+import sys
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from adaptive_mem import ConfigError
 from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint
 from adaptive_mem.models import LlamaConfig, LlamaModel
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _spawn import spawn_ranks  # noqa: E402
+
+TIMEOUT = 120
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=3, num_heads=4, max_seq_len=32)
 
@@ -34,7 +41,8 @@ def _step(model: LlamaModel, ids: torch.Tensor, labels: torch.Tensor, wrap) -> t
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=TIMEOUT))
     try:
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(0, CONFIG.vocab_size, (2, 17), generator=gen)
@@ -56,21 +64,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             loss.backward()
         results["optimize"] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
         torch.save(results, f"{out}/rank{rank}.pt")
+        dist.barrier()  # no collective in flight when the group goes
     finally:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_gloo_ranks_identical_grads_and_half_the_saved_input_bytes(tmp_path):
     # Note: [sharded checkpoint input] the input tensor's own storage shrinks to 1/world after forward
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
-    for rank in range(2):
-        results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
+    for results in spawn_ranks(_worker, out=tmp_path, timeout=TIMEOUT):
         plain_loss, plain_grads, plain_held, _ = results["plain"]
         loss, grads, held, restored = results["distributed"]
         assert torch.equal(loss, plain_loss)
