@@ -9,12 +9,14 @@ recompute subsets + swap variants of the largest tensors).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Iterable
 
 import numpy as np
 
+from ._compiled_space import compiled_blocks, honoured
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, position_segment
@@ -56,6 +58,9 @@ class Option:
     """Local indices of swapped units read by other positions (coupling with their recompute)."""
     prefix: tuple[int, ...] = ()
     """Held bytes after each unit's forward (for sound dominance of non-swap options)."""
+    coupled: tuple[int, ...] = ()
+    """Local indices of layer outputs kept in a whole-layer swap because a consumer is recomputed (the coupling rule;
+    Note: [compiled search space]): the milp takes the option only with that recompute."""
     input_swap: bool = False
     """Whole-layer recompute whose checkpoint input is swapped (Note: [swapped checkpoint input]): ``swapped`` is
     that input, ``held`` is net of it (the previous position holds it until its own backward)."""
@@ -227,6 +232,22 @@ def _heuristic(model: StepModel, p: int, prefetch: tuple[int, ...], limit: int) 
     return plain + [o for o in options if o.swapped] + _input_swaps(model, p, prefetch)
 
 
+def _whole_swaps(model: StepModel, p: int, menu: list[Option], prefetch: tuple[int, ...]) -> list[Option]:
+    """A compiled layer's whole-layer swaps missing from ``menu``: every unit swapped, and the same with its outputs
+    kept (what the coupling rule leaves of it when a consumer in another layer is recomputed)."""
+    members = model.positions[p]
+    if not members:
+        return []
+    have = {(o.acts, o.d) for o in menu}
+    whole = tuple([S] * len(members))
+    pinned = tuple(k for k, i in enumerate(members) if model.units[i].pinned)
+    out = [o for d in prefetch if (whole, d) not in have and (o := _option(model, p, whole, d)) is not None]
+    if pinned and len(pinned) < len(members):
+        kept = tuple(K if k in pinned else S for k in range(len(members)))
+        out += [dataclasses.replace(o, coupled=pinned) for d in prefetch if (o := _option(model, p, kept, d)) is not None]
+    return out
+
+
 def exact_menus(model: StepModel, prefetch: tuple[int, ...]) -> bool:
     """Whether every layer gets its complete option set (small models: the MILP is then exact)."""
     sizes = [len(model.positions[p]) for p in model.layer_positions]
@@ -236,13 +257,16 @@ def exact_menus(model: StepModel, prefetch: tuple[int, ...]) -> bool:
 def layer_menu(model: StepModel, p: int, *, prefetch: tuple[int, ...] = (0, 1, 2), limit: int = 40,
                cache: dict | None = None, exact: bool = True) -> list[Option]:
     """The options of position ``p``; identical layers share one computation through ``cache``."""
-    key = (_signature(model, p), prefetch, limit, exact)
+    blocks = compiled_blocks(model)
+    key = (_signature(model, p), prefetch, limit, exact, blocks)
     if cache is not None and key in cache:
         return cache[key]
     if exact and len(model.positions[p]) <= EXACT_UNITS:
         menu = _exact(model, p, prefetch)
     else:
         menu = _heuristic(model, p, prefetch, limit)
+    if blocks:  # Note: [compiled search space]: a layer swaps as a whole or not at all
+        menu = [o for o in menu if o.input_swap or honoured(model, p, o.acts)] + _whole_swaps(model, p, menu, prefetch)
     if cache is not None:
         cache[key] = menu
     return menu

@@ -310,6 +310,18 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
                 coefs = {j: 1.0 for j, o in z(p) if k in o.swaps_pinned}
                 coefs.update({j: 1.0 for j, o in z(q) if any(o.acts[m] is Action.RECOMPUTE for m in cons)})
                 rows.add("coupling", coefs, -np.inf, 1)
+    # compiled_coupled: a whole-layer swap with its outputs kept needs a recomputed consumer (Note: [compiled
+    # search space]):  z[p,o] - sum_{q, o' recomputing a consumer of u} z[q,o'] <= 0  for u in coupled(o)
+    for p in layers:
+        for j, o in z(p):
+            for k in o.coupled:
+                uidx = model.positions[p][k]
+                coefs = {j: 1.0}
+                for q in {units[c].position for c in units[uidx].consumers if units[c].position in zcol}:
+                    local = {i: m for m, i in enumerate(model.positions[q])}
+                    cons = [local[c] for c in units[uidx].consumers if c in local]
+                    coefs.update({jq: -1.0 for jq, oq in z(q) if any(oq.acts[m] is Action.RECOMPUTE for m in cons)})
+                rows.add("compiled_coupled", coefs, -np.inf, 0)
 
     c = np.zeros(nvars)
     if layers:

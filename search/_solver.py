@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ._compiled_space import compiled_blocks, project, whole_swap
 from ._model import StepModel
 from ._plan import Action, Decision, Plan
 from ._simulator import Assignment, simulate_assignment
@@ -90,6 +91,7 @@ class Solver(abc.ABC):
     def solve(self, problem: Problem) -> SolveResult:
         start = time.perf_counter()
         asg, info = self.choose(problem)
+        asg = project(problem.model, asg)  # Note: [compiled search space]
         elapsed = time.perf_counter() - start
         sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
         if sim.peak_bytes > problem.budget:
@@ -122,7 +124,8 @@ def fmt_bytes(n: float) -> str:
 
 
 def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:
-    """Compact plan: ``<layer>: recompute`` for whole layers, unit targets otherwise."""
+    """Compact plan: ``<layer>: recompute`` for whole layers (and ``<layer>: swap`` on a model compiled per block),
+    unit targets otherwise."""
     decisions: dict[str, Decision] = {}
     swapped_in = dict(asg.inputs)
     for p, members in enumerate(model.positions):
@@ -132,6 +135,10 @@ def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:
             decisions[model.profile.layer_path(layer)] = (
                 Decision(Action.RECOMPUTE, swapped_in[p], swap_input=True) if p in swapped_in
                 else Decision(Action.RECOMPUTE))
+            continue
+        if compiled_blocks(model) and whole_swap(model, asg, p):  # Note: [compiled search space]: one decision, the layer's path
+            decisions[model.profile.layer_path(layer)] = Decision(
+                Action.SWAP, next(asg.prefetch[i] for i in members if asg.actions[i] is Action.SWAP))
             continue
         for i, a in zip(members, acts):
             if a is Action.SWAP:

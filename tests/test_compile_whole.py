@@ -29,6 +29,7 @@ from _compile_common import compiled_step
 SELECT = {"layers.0.add": "recompute", "layers.0.feed_forward.w1.activation.silu": "recompute",
           "layers.1.feed_forward": "recompute", "layers.1.attention.flash_attention": "recompute"}
 SWAP = {"layers.0": {"action": "swap", "backward_prefetch": 1}, "layers.1.feed_forward": "recompute"}
+OP_SWAP = {"layers.1.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1}}
 
 
 def _plan(decisions: dict) -> Plan:
@@ -81,14 +82,16 @@ def _job(tmp_path, decisions: dict) -> dict:
     return {"plan": str(path), "compile_backend": "aot_eager"}
 
 
-@pytest.mark.parametrize("decisions,layout", [({}, "whole-model"), (SELECT, "whole-model"), (SWAP, "per-block")],
-                         ids=["keep", "select", "swap"])
+@pytest.mark.parametrize("decisions,layout", [({}, "whole-model"), (SELECT, "whole-model"), (SWAP, "per-block"),
+                                              (OP_SWAP, "per-block")], ids=["keep", "select", "swap", "op-swap"])
 def test_policy_compiles_whole_model_unless_the_plan_swaps(tmp_path, decisions, layout):
     assert compile_layout(_plan(decisions)) == layout
     bundle, batch = _fresh()
     optimizer = torch.optim.Adam(bundle.model.parameters(), lr=1e-4)
     applied = get_policy("ours-milp+compile").apply(bundle, optimizer, _job(tmp_path, decisions))
-    assert applied.info == {"decisions": len(decisions), "backend": "aot_eager", "compile": layout}
+    expected = {"decisions": len(decisions), "backend": "aot_eager", "compile": layout}
+    eager = [1] if decisions is OP_SWAP else []  # the report names blocks an op-level swap keeps eager
+    assert applied.info == (expected if layout == "whole-model" else {**expected, "eager_blocks": eager})
     model = applied.bundle.model
     if layout == "whole-model":
         assert model is not bundle.model and model._orig_mod is bundle.model

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+from typing import Callable
 
 import pytest
 
@@ -19,13 +20,17 @@ PREFETCH = (0, 1, 2)
 N_INSTANCES = 200
 
 
-def brute_force(model: StepModel, budget: int, *, inputs: bool = True) -> float | None:
+def brute_force(model: StepModel, budget: int, *, inputs: bool = True,
+                space: Callable[[int, list[Action]], bool] | None = None) -> float | None:
     """Min simulated step time over every keep/recompute/swap assignment and per-layer prefetch distance, and for
-    each layer recomputed as a whole: its input kept or swapped at each distance (Note: [swapped checkpoint input])."""
+    each layer recomputed as a whole: its input kept or swapped at each distance (Note: [swapped checkpoint input]).
+    ``space(position, actions)``: the layer actions to enumerate (None: all)."""
     layers = [p for p in model.layer_positions if model.positions[p]]
     n = len(model.units)
     best = None
     for acts in itertools.product((Action.KEEP, Action.RECOMPUTE, Action.SWAP), repeat=n):
+        if space is not None and not all(space(p, [acts[i] for i in model.positions[p]]) for p in layers):
+            continue
         swap_layers = [p for p in layers if any(acts[i] is Action.SWAP for i in model.positions[p])]
         whole = [p for p in layers if inputs and model.input_swap[p] and all(acts[i] is Action.RECOMPUTE
                                                                   for i in model.positions[p])]

@@ -68,6 +68,8 @@ class MilpCompiledPolicy(Policy):
         handle = optimize(bundle.model, plan=plan)
         info = {"decisions": len(plan.decisions), "backend": backend, "compile": layout}
         if layout == "per-block":
+            executor = handle._executor  # Note: [compiled search space]: searched plans leave none eager
+            info["eager_blocks"] = executor.eager_blocks() if executor is not None else []
             undo = compile_blocks(bundle.model, backend)
 
             def remove() -> None:

@@ -178,6 +178,8 @@ def _detail(r: dict[str, Any]) -> str | None:
         return f"{info['adaptive_summary']} ({warm.get('warmup_steps', '?')} warm-up steps before measuring)"
     if r["policy"] in ("compile", "ours-milp+compile") and info.get("backend"):
         what = f"backend {info['backend']}" + (f", compiled {info['compile']}" if info.get("compile") else "")
+        if info.get("eager_blocks"):
+            what += f" ({len(info['eager_blocks'])} blocks eager: op-level swaps)"
         return f"{what}; first (compiling) step took {warm.get('warmup_times', ['?'])[0]} s" \
             if warm.get("warmup_times") else what
     return None

@@ -197,6 +197,11 @@ class OpLevelPaths:
                   if _is_compiled(self.layers[i]) or _is_compiled(self.model.get_submodule(info.layer_path(i)))]
         return whole, blocks
 
+    def eager_blocks(self) -> list[int]:
+        """Layers whose compiled block runs eager under this plan: op-level swaps, select recompute with swaps."""
+        out = set(self._blocks.op_swap) if self.engine is not None else set()
+        return sorted(out | {i for i, st in self._sac.items() if st.swaps})
+
     def _check_compile(self, *, in_forward: bool = False) -> None:
         """Warn once when compiled blocks meet a path dynamo cannot trace."""
         if self._compile_warned or (self.engine is None and not self._sac):

@@ -1,0 +1,81 @@
+"""The plans a model compiled per block can run compiled.
+
+Note: [compiled search space]. Under ``torch.compile`` per block the executor swaps what a compiled block
+saves as a whole (the saved-tensor hooks around the block see the partitioner's saved tensors, not the ops
+that made them) and honours op-level recompute through the compiled selective-checkpoint policy; a block
+holding op-level swaps, or recompute mixed with swaps, runs eager (``adaptive_mem/runtime/_compiled_swap.py``).
+On a profile of the model compiled per block (``profile.compiled["layout"] == "per-block"``) a layer position
+therefore takes one of: no swap (any keep / recompute mix, the whole layer recomputed with or without its input
+swapped), or every unit swapped at one prefetch distance; positions outside the layers (embedding, head, loss)
+run eager and take anything. The milp's menus hold only these options, every solver's assignment is projected
+into the space before it is judged, and the plan names a whole-layer swap by the layer's path, which is what
+the executor runs compiled. Guarded by tests/test_compiled_space.py.
+"""
+
+from __future__ import annotations
+
+from ._model import StepModel
+from ._plan import Action
+from ._simulator import Assignment, couple
+
+__all__ = ["compiled_blocks", "honoured", "project", "whole_swap"]
+
+
+def compiled_blocks(model: StepModel) -> bool:
+    """Whether ``model``'s layers run as compiled blocks (a profile measured compiled per block)."""
+    compiled = model.profile.compiled
+    return compiled is not None and compiled.get("layout") == "per-block"
+
+
+def honoured(model: StepModel, p: int, acts: tuple[Action, ...] | list[Action]) -> bool:
+    """Whether position ``p`` with the units' actions ``acts`` (before coupling) runs compiled."""
+    if model.layer_of(p) is None or not compiled_blocks(model) or Action.SWAP not in acts:
+        return True
+    return all(a is Action.SWAP for a in acts)
+
+
+def whole_swap(model: StepModel, asg: Assignment, p: int) -> bool:
+    """Whether layer position ``p`` is swapped as a whole in ``asg`` (after coupling): every unit swapped at one
+    prefetch distance, but for layer outputs whose swap the coupling rule dropped (a recomputed consumer)."""
+    members = model.positions[p]
+    if not members or model.layer_of(p) is None:
+        return False
+    grouped = {q for a, b in asg.groups for q in range(a, b + 1)}
+    swaps = [i for i in members if asg.actions[i] is Action.SWAP]
+    if not swaps or len({asg.prefetch[i] for i in swaps}) > 1:
+        return False
+    for i in members:
+        if asg.actions[i] is Action.SWAP:
+            continue
+        u = model.units[i]
+        dropped = asg.actions[i] is Action.KEEP and u.pinned and any(
+            asg.actions[c] is Action.RECOMPUTE or model.units[c].position in grouped for c in u.consumers)
+        if not dropped:
+            return False
+    return True
+
+
+def project(model: StepModel, asg: Assignment) -> Assignment:
+    """``asg`` with every layer position outside the space brought into it: a layer with swaps and no recompute
+    swaps every unit (less memory held; the distance of its first swap); a layer mixing swaps with recompute is
+    recomputed as a whole (the layers a whole-layer recompute frees, no swap inside a block's checkpoint)."""
+    if not compiled_blocks(model):
+        return asg
+    actions, prefetch = list(asg.actions), list(asg.prefetch)
+    changed = False
+    for p in model.layer_positions:
+        members = model.positions[p]
+        acts = [actions[i] for i in members]
+        if honoured(model, p, acts) or whole_swap(model, asg, p):
+            continue
+        changed = True
+        if Action.RECOMPUTE in acts:
+            for i in members:
+                actions[i] = Action.RECOMPUTE
+        else:
+            d = next(prefetch[i] for i in members if actions[i] is Action.SWAP)
+            for i in members:
+                actions[i], prefetch[i] = Action.SWAP, d
+    if not changed:
+        return asg
+    return couple(model, Assignment(tuple(actions), tuple(prefetch), asg.groups, asg.inputs))
