@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ._compiled_space import compiled_blocks, honoured
+from ._compiled_space import compiled_blocks, honoured, project
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, position_segment
@@ -71,7 +71,8 @@ class Option:
 
 
 def assign(model: StepModel, choices: Iterable[tuple[int, Option]]) -> Assignment:
-    """The assignment of one option per layer position (``(position, option)`` pairs); other units keep."""
+    """The assignment of one option per layer position (``(position, option)`` pairs); other units keep. On a model
+    compiled per block, a whole-layer swap with its outputs kept but no recomputed consumer swaps them too."""
     actions = [K] * len(model.units)
     prefetch = [1] * len(model.units)
     inputs = []
@@ -81,7 +82,7 @@ def assign(model: StepModel, choices: Iterable[tuple[int, Option]]) -> Assignmen
             prefetch[i] = o.d
         if o.input_swap:
             inputs.append((p, o.d))
-    return Assignment(tuple(actions), tuple(prefetch), (), tuple(inputs))
+    return project(model, Assignment(tuple(actions), tuple(prefetch), (), tuple(inputs)))  # Note: [compiled search space]
 
 
 def _signature(model: StepModel, p: int) -> tuple:

@@ -24,6 +24,7 @@ import time
 import numpy as np
 
 from ._counts import identical_layers, solve_counts
+from ._compiled_space import project
 from ._menu import exact_menus, layer_menu
 from ._milp_bound import certified, gap, lp_support, polish, round_bound
 from ._milp_model import MIB, MS, Program, build_program
@@ -205,7 +206,7 @@ def _seeds(problem: Problem, *, cheap: bool = False) -> list[tuple[float, Assign
     out = []
     for cls in (NoneBaseline, FullRecompute) if cheap else (NoneBaseline, GreedyKnapsack, SwapOnly, MegatronBlock,
                                                             FullRecompute):
-        asg, _ = cls().choose(problem)
+        asg = project(problem.model, cls().choose(problem)[0])  # Note: [compiled search space]
         sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
         if sim.peak_bytes <= problem.budget:
             out.append((sim.step_time, asg))
