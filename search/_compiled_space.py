@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from ._model import StepModel
 from ._plan import Action
-from ._simulator import Assignment, couple
+from ._simulator import Assignment, couple, read_by_recompute
 
 __all__ = ["compiled_blocks", "honoured", "project", "whole_swap"]
 
@@ -40,19 +40,11 @@ def whole_swap(model: StepModel, asg: Assignment, p: int) -> bool:
     members = model.positions[p]
     if not members or model.layer_of(p) is None:
         return False
-    grouped = {q for a, b in asg.groups for q in range(a, b + 1)}
     swaps = [i for i in members if asg.actions[i] is Action.SWAP]
     if not swaps or len({asg.prefetch[i] for i in swaps}) > 1:
         return False
-    for i in members:
-        if asg.actions[i] is Action.SWAP:
-            continue
-        u = model.units[i]
-        dropped = asg.actions[i] is Action.KEEP and u.pinned and any(
-            asg.actions[c] is Action.RECOMPUTE or model.units[c].position in grouped for c in u.consumers)
-        if not dropped:
-            return False
-    return True
+    return all(asg.actions[i] is Action.SWAP or (asg.actions[i] is Action.KEEP and model.units[i].pinned
+                                                 and read_by_recompute(model, asg, i)) for i in members)
 
 
 def project(model: StepModel, asg: Assignment) -> Assignment:

@@ -298,29 +298,31 @@ def build_program(problem: Problem, prefetch: tuple[int, ...], limit: int) -> Pr
         rows.add("memory_pending", coefs, -np.inf, cap)
     if layers:
         rows.add("memory_pending", {pend_post: 1.0, queue[last]: -rate}, -rate * model.forward_time * MS, np.inf)
+    def recomputing(uidx: int) -> dict[int, list[int]]:
+        """Per layer position reading unit ``uidx``: the columns of its options that recompute a reader."""
+        out = {}
+        for q in {units[c].position for c in units[uidx].consumers if units[c].position in zcol}:
+            local = {i: m for m, i in enumerate(model.positions[q])}
+            cons = [local[c] for c in units[uidx].consumers if c in local]
+            out[q] = [j for j, o in z(q) if any(o.acts[m] is Action.RECOMPUTE for m in cons)]
+        return out
+
     # coupling: a swapped layer output cannot coexist with recompute of its consumer (the rule would
     # drop the swap, which another option already represents):  sum_{A_u} z + sum_{R_u,q} z <= 1
     for p in layers:
-        pinned = {k for o in menus[p] for k in o.swaps_pinned}
-        for k in pinned:
-            uidx = model.positions[p][k]
-            for q in {units[c].position for c in units[uidx].consumers if units[c].position in zcol}:
-                local = {i: m for m, i in enumerate(model.positions[q])}
-                cons = [local[c] for c in units[uidx].consumers if c in local]
+        for k in {k for o in menus[p] for k in o.swaps_pinned}:
+            for cols in recomputing(model.positions[p][k]).values():
                 coefs = {j: 1.0 for j, o in z(p) if k in o.swaps_pinned}
-                coefs.update({j: 1.0 for j, o in z(q) if any(o.acts[m] is Action.RECOMPUTE for m in cons)})
+                coefs.update({j: 1.0 for j in cols})
                 rows.add("coupling", coefs, -np.inf, 1)
     # compiled_coupled: a whole-layer swap with its outputs kept needs a recomputed consumer (Note: [compiled
     # search space]):  z[p,o] - sum_{q, o' recomputing a consumer of u} z[q,o'] <= 0  for u in coupled(o)
     for p in layers:
         for j, o in z(p):
             for k in o.coupled:
-                uidx = model.positions[p][k]
                 coefs = {j: 1.0}
-                for q in {units[c].position for c in units[uidx].consumers if units[c].position in zcol}:
-                    local = {i: m for m, i in enumerate(model.positions[q])}
-                    cons = [local[c] for c in units[uidx].consumers if c in local]
-                    coefs.update({jq: -1.0 for jq, oq in z(q) if any(oq.acts[m] is Action.RECOMPUTE for m in cons)})
+                for cols in recomputing(model.positions[p][k]).values():
+                    coefs.update({jq: -1.0 for jq in cols})
                 rows.add("compiled_coupled", coefs, -np.inf, 0)
 
     c = np.zeros(nvars)

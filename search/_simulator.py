@@ -8,6 +8,7 @@ its release. The MILP (``_milp.py``) writes exactly these event sums as its memo
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ from ._model import StepModel
 from ._plan import Action, Plan, PlanError
 from ._timeline import Interval, Simulation, Timeline
 
-__all__ = ["Assignment", "Segment", "couple", "position_segment", "resolve", "segments", "simulate", "simulate_assignment"]
+__all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment"]
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,11 @@ class Assignment:
     inputs: tuple[tuple[int, int], ...] = ()
     """(position, prefetch) of each layer recomputed as a whole whose checkpoint input is swapped
     (Note: [swapped checkpoint input])."""
+
+    @functools.cached_property
+    def grouped(self) -> frozenset[int]:
+        """Positions inside a checkpoint group."""
+        return frozenset(p for a, b in self.groups for p in range(a, b + 1))
 
 
 @dataclass
@@ -118,15 +124,20 @@ def resolve(model: StepModel, plan: Plan) -> Assignment:
     return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
 
 
+def read_by_recompute(model: StepModel, asg: Assignment, i: int) -> bool:
+    """Whether a recomputed unit (or a layer of a checkpoint group) consumes unit ``i``'s output: the coupling rule
+    drops a swap of ``i``."""
+    return any(asg.actions[c] is Action.RECOMPUTE or model.units[c].position in asg.grouped
+               for c in model.units[i].consumers)
+
+
 def couple(model: StepModel, asg: Assignment) -> Assignment:
     """The coupling rule: a swap is dropped for a unit whose output a recomputed unit consumes."""
-    grouped = {p for a, b in asg.groups for p in range(a, b + 1)}
     actions = list(asg.actions)
     for u in model.units:
-        if actions[u.index] is Action.SWAP:
-            if any(actions[c] is Action.RECOMPUTE or model.units[c].position in grouped for c in u.consumers):
-                log.info("swap of %s dropped: its output is consumed by a recomputed unit", u.name)
-                actions[u.index] = Action.KEEP
+        if actions[u.index] is Action.SWAP and read_by_recompute(model, asg, u.index):
+            log.info("swap of %s dropped: its output is consumed by a recomputed unit", u.name)
+            actions[u.index] = Action.KEEP
     return Assignment(tuple(actions), asg.prefetch, asg.groups, asg.inputs)
 
 
