@@ -61,7 +61,8 @@ def parse_batch_sizes(text: str | Iterable[int], *, key: str = "--batch-sizes") 
 class ThroughputRow:
     batch_size: int
     source: str
-    """``"profiled"`` or ``"extrapolated from batch N"`` / ``"... from batches a, b"``."""
+    """``"profiled"``, ``"interpolated between batches a, b"`` or ``"extrapolated from batch N"`` / ``"... from
+    batches a, b"``."""
     result: SolveResult | None
     """The fastest plan under the budget; None when the batch size does not fit."""
     tokens_per_second: float | None = None
@@ -120,6 +121,8 @@ def _source(profile: Profile) -> str:
     sizes = profile.model.get("extrapolated_from")
     if not sizes:
         return "profiled"
+    if len(sizes) == 2 and min(sizes) < int(profile.model["batch_size"]) < max(sizes):
+        return f"interpolated between batches {', '.join(map(str, sizes))}"
     return f"extrapolated from batch{'es' if len(sizes) > 1 else ''} {', '.join(map(str, sizes))}"
 
 
@@ -166,7 +169,8 @@ def maximize_throughput(*, profiles: Profile | Mapping[int, Profile], batch_size
     """The micro-batch size and plan with the most tokens per second under ``budget`` device bytes.
 
     ``profiles``: one profile, or profiles of one model keyed by their batch size; a batch size not among
-    them is scaled from the two nearest (Note: [batch scaling]) and its row says "extrapolated".
+    them is interpolated between the two around it, or beyond them scaled from the two nearest (Note: [batch
+    scaling], Note: [bracketing profiles]); its row says "interpolated" or "extrapolated".
     ``budget``: bytes, a size string (``"80GB"``) or a :class:`Budget` with a total (a fraction of the
     keep-all activations means another budget at every batch size: refused). Raises
     :class:`InfeasibleBudgetError` when no batch size fits.

@@ -35,13 +35,15 @@ EXPECTED: dict[str, set[str]] = {
 # #17 throughput mode (added flags; the sets above are unchanged)
 EXPECTED["search"] = EXPECTED["search"] | {"--maximize", "--batch-sizes", "--model", "--model-args"}
 EXPECTED["run"] = EXPECTED["run"] | {"--adaptive-batch-size"}
-EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput"}
+EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput", "--paired-rounds"}
 # #14 compile per block (added flag)
 EXPECTED["run"] = EXPECTED["run"] | {"--compile"}
 # #14 profile, bench and demo for compiled models (added flags)
 EXPECTED["profile"] = EXPECTED["profile"] | {"--compile"}
 EXPECTED["bench"] = EXPECTED["bench"] | {"--compile-backend"}
 EXPECTED["demo"] = EXPECTED["demo"] | {"--compile-backend"}
+# #17 the demo's throughput table (added flag)
+EXPECTED["demo"] = EXPECTED["demo"] | {"--throughput"}
 
 # #15 parallel layouts planned without the ranks (profile and search; search already had the two pipeline flags)
 LAYOUT = {"--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",

@@ -33,3 +33,23 @@ def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
     assert "predicted vs measured: peak" in text
     assert (out / "report.md").read_text() == render_report(results)
     assert (out / "pareto.png").exists() and (out / "profile.json").exists()
+    # #17: the throughput table at the plain model's measured peak, batch sizes 1-4
+    section = results["throughput"]
+    assert section["batch_sizes"] == [1, 2, 3, 4] and section["memory_bytes"] > 0
+    rows = {r["name"]: r for r in section["rows"]}
+    assert set(rows) == {"none", "full", "compile", "ours-milp"}
+    assert all(r["largest_batch"] is not None and r["peak_bytes"] <= section["memory_bytes"] for r in rows.values())
+    assert rows["ours-milp"]["largest_batch"] == section["ours_top_predicted"][0]["batch_size"]
+    assert section["ours_paired"]["status"] == "ok" and section["ours_paired"]["rounds"] == 6
+    assert section["ranking_from"] == "paired rounds"
+    assert "throughput at" in text and "6 paired rounds" in text and "  by paired rounds: the predicted best" in text
+    report = (out / "report.md").read_text()
+    assert "## Throughput at a fixed memory" in report and "Ours' three predicted best batches" in report
+
+
+def test_demo_bad_throughput_one_line(tmp_path, capsys):
+    assert main(["demo", "--model", "llama-tiny", "--throughput", "0", "--out", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("adaptive-mem demo: error: --throughput='0': batch size 0 is not positive; expected positive "
+                   "integers and ranges such as 1,2,4,8 or 1-16")
+    assert not (tmp_path / "demo").exists()

@@ -126,6 +126,53 @@ def test_scaling_checked_on_measured_cpu_profiles():
     assert sum(u.saved_bytes for u in scaled.units) == sum(u.saved_bytes for u in profiles[4].units)
 
 
+@pytest.fixture(scope="module")
+def tiny8():
+    import profiler
+    from adaptive_mem import build_model
+
+    return profiler.profile_step(build_model("llama-tiny", batch_size=8, device="meta"), hardware="h100",
+                                 optimizer="adam")
+
+
+def _slower(profile, factor):
+    """``profile`` with every op and unit ``factor`` times slower (a noisy measurement)."""
+    return dataclasses.replace(
+        profile, ops=[dataclasses.replace(o, fwd_time=o.fwd_time * factor, bwd_time=o.bwd_time * factor)
+                      for o in profile.ops],
+        units=[dataclasses.replace(u, fwd_time=u.fwd_time * factor, bwd_time=u.bwd_time * factor)
+               for u in profile.units])
+
+
+@pytest.mark.parametrize("batch, pair", [(3, [2, 4]), (5, [4, 8]), (6, [4, 8]), (7, [4, 8]), (12, [4, 8])])
+def test_sizes_between_profiles_are_interpolated(tiny_profiles, tiny8, batch, pair):
+    """Note: [bracketing profiles] batch 5 comes from 4 and 8 (as near as 2): 5 % noise in the batch-2 profile
+    does not reach it; only sizes beyond the profiles are extrapolated, from the two nearest."""
+    from search import profile_for_batch
+
+    profiles = {**tiny_profiles, 2: _slower(tiny_profiles[2], 1.05), 8: tiny8}
+    got = profile_for_batch(profiles, batch)
+    assert got.model["extrapolated_from"] == pair and got.model["batch_size"] == batch
+    expected = scale_profile((profiles[pair[0]], profiles[pair[1]]), batch)
+    assert [o.fwd_time for o in got.ops] == [o.fwd_time for o in expected.ops]
+    if batch < 8:
+        for op, lo, hi in zip(got.ops, profiles[pair[0]].ops, profiles[pair[1]].ops):
+            assert min(lo.bwd_time, hi.bwd_time) <= op.bwd_time <= max(lo.bwd_time, hi.bwd_time)
+    source = {r.batch_size: r.source for r in maximize_throughput(profiles=profiles, batch_sizes=[batch, 8],
+                                                                  budget=10**12).rows}
+    word = "interpolated between" if batch < 8 else "extrapolated from"
+    assert source == {batch: f"{word} batches {pair[0]}, {pair[1]}", 8: "profiled"}
+
+
+@pytest.mark.parametrize("base, sizes, profiled", [(2, "1-8", [1, 4, 8]), (2, "1-4", [1, 4]), (2, "2", []),
+                                                    (1, "1-16", [2, 4, 8, 16]), (4, "1-6", [1, 6]),
+                                                    (2, "1-6", [1, 4, 6]), (2, "3,5", [3, 4, 5])])
+def test_bench_profiles_the_ends_and_doublings(base, sizes, profiled):
+    from adaptive_mem.bench._throughput import profiled_sizes
+
+    assert profiled_sizes(base, parse_batch_sizes(sizes)) == profiled
+
+
 # ---------------------------------------------------------------- CLI and the plan's batch size
 @pytest.fixture(scope="module")
 def tiny1(tmp_path_factory):
@@ -324,3 +371,18 @@ def test_bench_throughput_bad_repeats(tiny_profiles, tmp_path, repeats):
     with pytest.raises(ValueError, match=rf"^repeats={repeats!r}: expected a positive integer$"):
         throughput_section(profile=tiny_profiles[2], batch_sizes=[1], job=dict, spawn=dict, out=tmp_path, seq_len=32,
                            repeats=repeats)
+
+
+def test_bench_throughput_section_names_its_profiles_and_checks_the_scaling(tiny_profiles, tmp_path):
+    from adaptive_mem.bench._throughput import format_throughput, throughput_section
+
+    worker = _Worker(tiny_profiles[2].peak_memory, [[100.0], [90.0], [80.0]])
+    section = throughput_section(profile=tiny_profiles[2], batch_sizes=[1, 2, 3, 4], job=worker.job, spawn=worker,
+                                 out=tmp_path, seq_len=32, more_profiles={1: tiny_profiles[1], 4: tiny_profiles[4]})
+    assert section["profiled_sizes"] == [1, 2, 4]
+    (check,) = section["scaling_checks"]
+    assert check.startswith("scaling check: batch 4 measured vs extrapolated from batches 1, 2: activation peak off by")
+    sources = {r["batch_size"]: r["source"] for r in section["ours_predicted"]}
+    assert sources == {1: "profiled", 2: "profiled", 3: "interpolated between batches 2, 4", 4: "profiled"}
+    text = format_throughput(section)
+    assert "ours' profiles: batches 1, 2, 4 measured" in text and f"  {check}" in text

@@ -254,6 +254,37 @@ def _throughput(results: dict[str, Any]) -> list[str]:
         for r in predicted:
             lines.append(f"| {r['batch_size']} | {r['source']} | {'yes' if r['fits'] else 'no'} | {_s(r['step_time'])} | "
                          f"{r['tokens_per_s'] or 0:.1f} | {_mib(r['peak_bytes'])} |")
+    return lines + _top_three(section)
+
+
+def _top_three(section: dict[str, Any]) -> list[str]:
+    """Ours' three predicted best batches as measured: separate processes, and paired rounds in one process."""
+    top = section.get("ours_top_predicted") or []
+    if not top:
+        return []
+    paired = section.get("ours_paired") or {}
+    rounds = paired.get("rounds") if paired.get("status") == "ok" else None
+    lines = ["", f"Ours' three predicted best batches, measured: {section.get('repeats', 1)} separate process(es) each "
+                 f"(median, spread)" + (f"; {rounds} paired rounds in one process (median tokens/s, ratio to the "
+                                        f"predicted best with its 95 % interval)" if rounds else "") + ":", "",
+             "| batch | predicted tokens/s | processes: tokens/s | spread | paired: tokens/s | ratio |",
+             "|---|---|---|---|---|---|"]
+    for c in top:
+        measured = f"{c['tokens_per_s']:.1f}" if c["tokens_per_s"] is not None else f"failed: {c.get('error')}"
+        spread = f"{100 * c['spread']:.1f} %" if c.get("spread") is not None else "-"
+        interval = c.get("paired_interval")
+        ratio = (f"{c['paired_ratio']:.4f}" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")
+                 if c.get("paired_ratio") is not None else "-")
+        tokens = f"{c['paired_tokens_per_s']:.1f}" if c.get("paired_tokens_per_s") is not None else "-"
+        lines.append(f"| {c['batch_size']} | {c['predicted_tokens_per_s']:.1f} | {measured} | {spread} | {tokens} | "
+                     f"{ratio} |")
+    gap = section.get("ours_measured_gap")
+    verdict = "is" if section.get("predicted_best_is_measured_best") else "is **not**"
+    lines += ["", f"The predicted best {verdict} the measured best (by {section.get('ranking_from', 'processes')}"
+                  + (f", gap best to second {100 * gap:.1f} %" if gap is not None else "")
+                  + f"): {section.get('ours_ranking')}."]
+    if paired and paired.get("status") != "ok":
+        lines.append(f"Paired rounds in one process failed: {paired.get('error')}.")
     return lines
 
 

@@ -77,6 +77,8 @@ class BenchConfig:
     """The command line, recorded in results.json."""
     compile_backend: str = "inductor"
     """``torch.compile`` backend of the ``compile`` and ``ours-milp+compile`` runs (``inductor``, ``aot_eager``)."""
+    paired_rounds: int = 15
+    """Throughput table: paired rounds of ours' top three in one process (Note: [paired rounds]; 0: none)."""
 
 
 def _machine() -> dict[str, Any]:

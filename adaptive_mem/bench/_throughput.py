@@ -5,9 +5,10 @@ full recompute and ``torch.compile`` with its activation memory budget climbs th
 fresh worker process, as the bench's other runs) until its measured peak exceeds that memory; its row is
 its largest batch that fits and the tokens per second there. ``torch.compile``'s budget at batch ``b`` is
 the fraction of the keep-all activations that the memory leaves (from the profile scaled to ``b``). Ours:
-``search.maximize_throughput`` chooses the batch size and the plan together, on the bench's profile and a second
-one measured at twice its batch (other sizes are scaled affinely through the two nearest: a CPU step gets more
-efficient with the batch, which one profile cannot tell); the chosen pair and the two next-best predicted batches
+``search.maximize_throughput`` chooses the batch size and the plan together, on profiles measured at the bench's
+batch, at the smallest and largest of the batch sizes and doubling from the bench's batch (``profiled_sizes``);
+the others are interpolated between the two around them (Note: [bracketing profiles]: a CPU step's efficiency
+changes with the batch, neither proportionally nor along one line); the chosen pair and the two next-best predicted batches
 are run and measured like the others (the predicted table is kept too).
 
 With ``repeats`` (the bench's ``--repeats``), each of the three predicted best runs that many times, round robin
@@ -15,6 +16,10 @@ With ``repeats`` (the bench's ``--repeats``), each of the three predicted best r
 median tokens/s, and the ranking is "resolved" only when the gap between the measured best and second is larger
 than either one's spread (max - min of its runs). The other policies' rows take the median of ``repeats`` runs at
 their largest batch that fits.
+
+Runs in separate processes spread by 2-5 % here, more than the predicted tokens/s of the top three differ. With
+``rounds``, the three are also timed in one process, a step of each per round (Note: [paired rounds]); that
+measurement, when it ran, decides whether the predicted best is the measured best (``bench._paired``).
 """
 
 from __future__ import annotations
@@ -42,13 +47,17 @@ def _compile_fraction(profiles: dict[int, Any], batch: int, memory: int) -> floa
 
 def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..., dict[str, Any]],
                        spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path, seq_len: int,
-                       more_profiles: dict[int, Any] | None = None, repeats: int = 1) -> dict[str, Any]:
+                       more_profiles: dict[int, Any] | None = None, repeats: int = 1,
+                       rounds: int = 0) -> dict[str, Any]:
     """``job(policy, batch_size, **prepared)`` makes a worker job, ``spawn(job)`` runs it; returns the section.
     ``more_profiles`` (batch size -> profile): with ``profile``, what other batch sizes are scaled from (affine
-    through the two nearest, ``search.profile_for_batch``). ``repeats``: runs per measured row (medians)."""
+    between the two around them, ``search.profile_for_batch``). ``repeats``: runs per measured row (medians).
+    ``rounds``: paired rounds of ours' top three in one process (0: none)."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ValueError(f"repeats={repeats!r}: expected a positive integer")
-    from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise ValueError(f"rounds={rounds!r}: expected a non-negative integer")
+    from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput, scaling_error
 
     base = int(profile.model["batch_size"])
     profiles = {base: profile, **(more_profiles or {})}
@@ -111,11 +120,40 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     best_measured = max((c for c in checked if c["tokens_per_s"] is not None), key=lambda c: c["tokens_per_s"],
                         default=None)
     ranking, gap = _ranking(checked)
-    return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-            "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows,
-            "ours_predicted": predicted, "ours_top_predicted": checked,
-            "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
-            "ours_ranking": ranking, "ours_measured_gap": gap}
+    section = {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
+               "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows,
+               "ours_predicted": predicted, "ours_top_predicted": checked, "profiled_sizes": sorted(profiles),
+               "scaling_checks": [c.describe() for c in scaling_error(profiles)],
+               "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
+               "ours_ranking": ranking, "ours_measured_gap": gap, "ranking_from": "processes"}
+    if rounds and len(checked) > 1 and all(c["status"] == "ok" for c in checked):
+        section["ours_paired"] = _paired(job("ours-milp", batch, plan=plans[0]), checked, plans, rounds, spawn)
+        if section["ours_paired"]["status"] == "ok":
+            paired = section["ours_paired"]
+            section.update(predicted_best_is_measured_best=paired["measured_best"] == batch,
+                           ours_ranking=paired["ranking"], ours_measured_gap=paired["gap"],
+                           ranking_from="paired rounds", process_ranking=ranking, process_gap=gap,
+                           process_best=best_measured and best_measured["batch_size"])
+    return section
+
+
+def _paired(base: dict[str, Any], checked: list[dict[str, Any]], plans: list[str], rounds: int,
+            spawn: Callable[[dict[str, Any]], dict[str, Any]]) -> dict[str, Any]:
+    """The top three timed in one process, ``rounds`` paired rounds (Note: [paired rounds]), ranked by
+    ``bench._paired.paired_ranking`` against the predicted best."""
+    from ._paired import paired_ranking
+
+    sizes = [c["batch_size"] for c in checked]
+    result = spawn({**base, "kind": "paired", "rounds": rounds,
+                    "candidates": [{"batch_size": b, "plan": p} for b, p in zip(sizes, plans)]})
+    if result.get("status") != "ok":
+        return {"status": result.get("status"), "error": result.get("error"), "rounds": rounds}
+    ranked = paired_ranking(result["step_times"], result["tokens_per_step"])
+    for c, tokens, ratio, interval in zip(checked, ranked["tokens_per_s"], ranked["ratio"], ranked["ratio_interval"]):
+        c.update(paired_tokens_per_s=tokens, paired_ratio=ratio, paired_interval=interval)
+    return {"status": "ok", "error": None, "rounds": ranked["rounds"], "measured_best": sizes[ranked["measured_best"]],
+            "second": sizes[ranked["second"]], "gap": ranked["gap"], "lead_interval": ranked["lead_interval"],
+            "ranking": ranked["ranking"], "step_times": result["step_times"]}
 
 
 def _interleaved(makers: list[Callable[[], dict[str, Any]]], repeats: int,
@@ -181,6 +219,10 @@ def format_throughput(section: dict[str, Any]) -> str:
             continue
         lines.append(f"{r['policy']:>32}  {r['largest_batch']:>13}  {r['tokens_per_s']:>10.1f}  "
                      f"{r['peak_bytes'] / 2**20:>9.1f}")
+    if section.get("profiled_sizes"):
+        lines.append(f"ours' profiles: batches {', '.join(map(str, section['profiled_sizes']))} measured, the others "
+                     "interpolated between the two around them (or extrapolated beyond them)")
+    lines += [f"  {check}" for check in section.get("scaling_checks") or []]
     top = section.get("ours_top_predicted") or []
     if top:
         lines.append(f"ours, the batches predicted best, {repeats} run(s) each, interleaved:")
@@ -190,11 +232,43 @@ def format_throughput(section: dict[str, Any]) -> str:
                         if c["tokens_per_s"] is not None else f"failed: {c.get('error')}")
             lines.append(f"  batch {c['batch_size']}: {c['predicted_tokens_per_s']:.1f} predicted / {measured} "
                          f"(runs {runs})")
-        verdict = "is" if section.get("predicted_best_is_measured_best") else "is NOT"
-        gap = section.get("ours_measured_gap")
-        gap_text = f"gap best to second {100 * gap:.1f} %: " if gap is not None else ""
-        lines.append(f"  the predicted best {verdict} the measured best; {gap_text}{section.get('ours_ranking')}")
+        paired = section.get("ours_paired")
+        by_rounds = paired is not None and paired["status"] == "ok"
+        best, ranking, gap = ((section.get("process_best") == top[0]["batch_size"], section.get("process_ranking"),
+                               section.get("process_gap")) if by_rounds else
+                              (section.get("predicted_best_is_measured_best"), section.get("ours_ranking"),
+                               section.get("ours_measured_gap")))
+        lines.append(_verdict("by process medians: " if by_rounds else "", best, gap, ranking))
+        if paired is not None and not by_rounds:
+            lines.append(f"  paired rounds in one process: failed: {paired.get('error')}")
+        elif by_rounds:
+            lines.append(f"ours, the same batches timed in one process, {paired['rounds']} paired rounds "
+                         f"(tokens/s relative to batch {top[0]['batch_size']}, median and its 95 % interval):")
+            for c in top:
+                interval = c["paired_interval"]
+                span = f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
+                lines.append(f"  batch {c['batch_size']}: median {c['paired_tokens_per_s']:.1f} tokens/s, "
+                             f"ratio {c['paired_ratio']:.4f}{span}")
+            lines.append(_verdict("by paired rounds: ", section["predicted_best_is_measured_best"],
+                                  section["ours_measured_gap"], section["ours_ranking"]))
     return "\n".join(lines)
+
+
+def _verdict(prefix: str, best: bool | None, gap: float | None, ranking: str | None) -> str:
+    gap_text = f"gap best to second {100 * gap:.1f} %: " if gap is not None else ""
+    return f"  {prefix}the predicted best {'is' if best else 'is NOT'} the measured best; {gap_text}{ranking}"
+
+
+def profiled_sizes(base: int, batch_sizes: list[int]) -> list[int]:
+    """The batch sizes profiled besides ``base``: doubling from it up to the largest, and the smallest and largest
+    of ``batch_sizes``, so every other size is interpolated (Note: [bracketing profiles]): 1-8 from 2 gives 1, 4, 8."""
+    lo, hi = min(batch_sizes), max(batch_sizes)
+    sizes = {lo, hi}
+    size = 2 * base
+    while size < hi:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes - {base})
 
 
 def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
@@ -222,20 +296,19 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
             torch.set_num_threads(threads)
         profile.save(saved)
     more = {}
-    second = 2 * bundle.batch_size  # a second measured size: the step's efficiency changes with the batch
-    if second <= max(batch_sizes):
-        path = config.out / f"profile-batch{second}.json"
-        more[second] = profiler.Profile.load(path) if path.exists() else None
-        if more[second] is None:
-            big = build_model(config.spec, model_args=config.model_args, batch_size=second, seq_len=config.seq_len,
-                              seed=config.seed)
+    for size in profiled_sizes(bundle.batch_size, batch_sizes):
+        path = config.out / f"profile-batch{size}.json"
+        more[size] = profiler.Profile.load(path) if path.exists() else None
+        if more[size] is None:
+            other = build_model(config.spec, model_args=config.model_args, batch_size=size, seq_len=config.seq_len,
+                                seed=config.seed)
             threads = torch.get_num_threads()
             torch.set_num_threads(config.threads)
             try:
-                more[second] = calibrate(big, profiler.profile_step(big, optimizer="adam"))
+                more[size] = calibrate(other, profiler.profile_step(other, optimizer="adam"))
             finally:
                 torch.set_num_threads(threads)
-            more[second].save(path)
+            more[size].save(path)
     workdir = config.out / "jobs"
     workdir.mkdir(exist_ok=True)
 
@@ -244,4 +317,5 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
 
     return throughput_section(profile=profile, batch_sizes=batch_sizes, job=job,
                               spawn=lambda j: _spawn(j, workdir, config.timeout), out=config.out,
-                              seq_len=bundle.seq_len, more_profiles=more, repeats=config.repeats)
+                              seq_len=bundle.seq_len, more_profiles=more, repeats=config.repeats,
+                              rounds=config.paired_rounds)

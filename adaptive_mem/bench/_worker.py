@@ -10,6 +10,10 @@ Protocol (the same for every policy):
    (:class:`TimelineMemory`, an independent :class:`~adaptive_mem.DeviceMemory`): the peak and the timeline;
 4. ``steps`` timed steps without the tracker (its per-op bookkeeping would tax policies that run more ops).
 
+A job with ``"kind": "paired"`` instead times several ``candidates`` (batch size and plan) in this one process,
+a step of each per round (:func:`run_paired`): what ranks candidates whose tokens/s differ by less than the
+spread between processes (Note: [paired rounds]).
+
 Batches come from ``bundle.batch(seed=k)`` for step ``k``; every policy sees the same sequence.
 """
 
@@ -29,7 +33,7 @@ import torch
 from adaptive_mem.runtime._accounting import DeviceMemory
 from ._prepare import _thin
 
-__all__ = ["EntryScanMemory", "TimelineMemory", "run_job"]
+__all__ = ["EntryScanMemory", "TimelineMemory", "run_job", "run_paired"]
 
 log = logging.getLogger(__name__)
 
@@ -80,16 +84,8 @@ def _step(bundle: Any, optimizer: torch.optim.Optimizer, seed: int) -> float:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    from adaptive_mem._model_spec import build_model
-    from ._policies import get_policy
-
     torch.manual_seed(int(job.get("seed", 0)))
-    bundle = build_model(job["spec"], model_args=job.get("model_args"), batch_size=job.get("batch_size"),
-                         seq_len=job.get("seq_len"), dtype=job.get("dtype", "float32"), seed=int(job.get("seed", 0)))
-    params = [p for p in bundle.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.Adam(params, lr=1e-4)
-    policy = get_policy(job["policy"])
-    applied = policy.apply(bundle, optimizer, job)
+    bundle, optimizer, applied = _built(job)
     run_bundle = applied.bundle
     seed = 0
     losses: list[float] = []
@@ -139,13 +135,55 @@ def run_job(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _built(job: dict[str, Any]) -> tuple[Any, torch.optim.Optimizer, Any]:
+    from adaptive_mem._model_spec import build_model
+    from ._policies import get_policy
+
+    bundle = build_model(job["spec"], model_args=job.get("model_args"), batch_size=job.get("batch_size"),
+                         seq_len=job.get("seq_len"), dtype=job.get("dtype", "float32"), seed=int(job.get("seed", 0)))
+    optimizer = torch.optim.Adam([p for p in bundle.model.parameters() if p.requires_grad], lr=1e-4)
+    return bundle, optimizer, get_policy(job["policy"]).apply(bundle, optimizer, job)
+
+
+def run_paired(job: dict[str, Any]) -> dict[str, Any]:
+    """Every candidate (``{"batch_size", **policy args}`` over the job's keys) built and warmed up in this process,
+    then ``rounds`` rounds of one timed step each, the order reversed every other round.
+
+    Note: [paired rounds] Load on a shared machine drifts over minutes and a process's speed varies from one
+    process to the next (2-5 % here); both hit every candidate of a round alike, so the per-round ratio of two
+    candidates' tokens/s is far steadier than either's. The candidates share the process, so the device holds all
+    of them at once; peaks are measured by the one-process runs, not here."""
+    torch.manual_seed(int(job.get("seed", 0)))
+    built = []
+    try:
+        for cand in job["candidates"]:
+            built.append(_built({**job, **cand}))
+            _, optimizer, applied = built[-1]
+            for seed in range(max(1, int(job.get("warmup", 1)))):
+                _step(applied.bundle, optimizer, seed)
+        times: list[list[float]] = [[] for _ in built]
+        for r in range(int(job["rounds"])):
+            order = list(range(len(built)))
+            for k in (order if r % 2 == 0 else order[::-1]):
+                _, optimizer, applied = built[k]
+                start = time.perf_counter()
+                _step(applied.bundle, optimizer, 1000 + r)
+                times[k].append(time.perf_counter() - start)
+    finally:
+        for _, _, applied in built:
+            applied.remove()
+    return {"status": "ok", "step_times": times,
+            "tokens_per_step": [b.batch_size * b.seq_len for b, _, _ in built],
+            "info": [applied.info for _, _, applied in built]}
+
+
 def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s - %(message)s", stream=sys.stderr)
     job_path, result_path = argv
     job = json.loads(Path(job_path).read_text())
     torch.set_num_threads(int(job.get("threads") or torch.get_num_threads()))
     try:
-        result = run_job(job)
+        result = run_paired(job) if job.get("kind") == "paired" else run_job(job)
     except Exception as exc:  # noqa: BLE001 - a failing policy is a result row, not a crash of the bench
         result = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
                   "traceback": traceback.format_exc(limit=8)}

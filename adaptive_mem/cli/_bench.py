@@ -54,6 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--batch-size): largest batch among BATCHES (e.g. 1-8) that fits and tokens/s for no "
                              "plan, full recompute, torch.compile with its memory budget, and ours (batch size and "
                              "plan searched together); with --policies '' only this table")
+    parser.add_argument("--paired-rounds", type=int, default=None, metavar="N",
+                        help="with --throughput: rounds in which ours' three predicted best batches are also timed "
+                             "in one process, a step of each per round, to rank them through the noise between "
+                             "processes (default 15; 0: only the separate runs)")
     parser.add_argument("--simulate-only", action="store_true",
                         help="only the target-hardware report (needs --simulate); no measured runs")
 
@@ -102,6 +106,11 @@ def run(args: argparse.Namespace) -> int:
     _positive("--warmup", args.warmup)
     _positive("--repeats", args.repeats)
     _positive("--threads", args.threads)
+    if args.paired_rounds is not None:
+        if throughput is None:
+            raise ValueError(f"--paired-rounds={args.paired_rounds} without --throughput: expected both (the rounds "
+                             "rank the throughput table's top three)")
+        _positive("--paired-rounds", args.paired_rounds, 0)
     if args.simulate_only and not args.simulate:
         raise ValueError("--simulate-only: expected --simulate HARDWARE too (e.g. --simulate h100)")
     if args.simulate:
@@ -119,7 +128,8 @@ def run(args: argparse.Namespace) -> int:
                          model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
                          steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
                          timeout=args.timeout, match=args.match, command=command,
-                         compile_backend=args.compile_backend)
+                         compile_backend=args.compile_backend,
+                         paired_rounds=BenchConfig.paired_rounds if args.paired_rounds is None else args.paired_rounds)
     if policies and not args.simulate_only:
         results = run_bench(config)
     if throughput is not None:

@@ -5,14 +5,18 @@ everything (so the plan must trade memory for time), search the ``milp`` plan, a
 train, next to no checkpointing, full recompute, ``torch.compile`` alone and the plan searched on the
 model compiled per block then compiled (whole model when it swaps nothing, else per block; each in its own
 process); ours is also searched and run at full
-recompute's and at compile's measured peaks. Then print a short summary and write the bench report
+recompute's and at compile's measured peaks. Then the throughput table at the plain model's measured peak (largest
+batch among ``--throughput`` that fits and tokens/s for no plan, full recompute, compile and ours, batch size and
+plan searched together; ``bench._throughput``). Then print a short summary and write the bench report
 (``report.md``, ``results.json``, PNGs) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import shlex
 import time
 from pathlib import Path
 
@@ -26,6 +30,8 @@ HELP = ("profile the default model (llama-small) on this CPU, search a plan unde
 
 DEFAULT_MODEL = "llama-small"
 POLICIES = ("none", "full", "compile", "ours-milp", "ours-milp+compile")
+THROUGHPUT_BATCHES = "1-4"
+THROUGHPUT_ROUNDS = 6  # the fewest paired rounds whose median has a 95 % interval
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-backend", default="aot_eager", metavar="NAME",
                         help="torch.compile backend of the compiled runs: aot_eager (default: compiles in seconds) "
                              "or inductor (what a user trains with; minutes of compiling on a busy CPU)")
+    parser.add_argument("--throughput", default=THROUGHPUT_BATCHES, metavar="BATCHES",
+                        help=f"batch sizes of the throughput table at the plain model's measured peak (default "
+                             f"{THROUGHPUT_BATCHES}; '' leaves the table out)")
 
 
 def trade_off_budget(model) -> float:
@@ -67,6 +76,11 @@ def run(args: argparse.Namespace) -> int:
 
     if args.compile_backend not in COMPILE_BACKENDS:
         raise ValueError(f"--compile-backend={args.compile_backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
+    batch_sizes = None
+    if args.throughput.strip():
+        from search import parse_batch_sizes
+
+        batch_sizes = parse_batch_sizes(args.throughput, key="--throughput")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={args.out!r}: exists and is not a directory")
@@ -88,11 +102,20 @@ def run(args: argparse.Namespace) -> int:
     log.info("budget: %.3f of the activation memory (halfway between full recompute and keeping everything)", budget)
     config = BenchConfig(spec=args.model, budgets=(budget,), policies=POLICIES, out=out, steps=5, warmup=1,
                          threads=1, match=True, compile_backend=args.compile_backend,
-                         command=f"adaptive-mem demo --out {args.out} --compile-backend {args.compile_backend}")
+                         command=f"adaptive-mem demo --out {args.out} --compile-backend {args.compile_backend} "
+                                 f"--throughput {shlex.quote(args.throughput)}")
     results = run_bench(config, profile=profile)
+    if batch_sizes is not None:
+        from adaptive_mem.bench._throughput import format_throughput, run_throughput
+
+        log.info("throughput table: batch sizes %s at the plain model's measured peak", args.throughput)
+        results["throughput"] = run_throughput(dataclasses.replace(config, paired_rounds=THROUGHPUT_ROUNDS),
+                                               batch_sizes)
     paths = write_outputs(results, out)
     print()
     print(summary(results, seconds=time.perf_counter() - start))
+    if batch_sizes is not None:
+        print(format_throughput(results["throughput"]))
     print(f"report: {paths['report']}  (results.json, PNG figures and plans/ next to it)")
     # a matched row no plan of ours reaches is a finding the summary prints, not a failed run
     return 0 if all(r["status"] == "ok" or (r.get("match") and r["status"] == "infeasible")
