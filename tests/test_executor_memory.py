@@ -77,7 +77,10 @@ def test_swapping_flash_attention_removes_exactly_its_saved_bytes(prefetch: int)
     plain = _step_peak(bundle, batch, None)
     swap = {f"layers.{i}.attention.flash_attention": {"action": "swap", "backward_prefetch": prefetch}
             for i in range(4)}
-    swapped = _step_peak(bundle, batch, _plan(swap))
+    # The offload copies run on a copy thread; a tensor leaves device memory when its copy lands. On a loaded
+    # machine the thread can lag past the step's peak (2 runs in 8 beside two busy processes here, 1 in CI), which
+    # only adds bytes to the peak: the least of three steps is the lag-free one.
+    swapped = min(_step_peak(bundle, batch, _plan(swap)) for _ in range(3))
     assert abs((plain - swapped) - expected) <= 0.02 * expected, (plain, swapped, expected)
 
 
