@@ -8,7 +8,7 @@ from adaptive_mem.cli._main import main
 
 def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
     out = tmp_path / "demo"
-    assert main(["demo", "--model", "llama-tiny", "--out", str(out)]) == 0
+    assert main(["demo", "--model", "llama-tiny", "--out", str(out), "--throughput", "1-4"]) == 0
     text = capsys.readouterr().out
     results = load_results(out / "results.json")
     runs = {r["policy"]: r for r in results["runs"] if not r.get("match")}
