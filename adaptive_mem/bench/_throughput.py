@@ -273,7 +273,8 @@ def profiled_sizes(base: int, batch_sizes: list[int]) -> list[int]:
 
 def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
     """The section for a :class:`~adaptive_mem.bench._runner.BenchConfig`: reuses ``out/profile.json`` when the
-    bench's runs wrote it, else profiles (and calibrates) the model at the bench's batch size."""
+    bench's runs wrote it (and ``out/profile-batchN.json`` of an earlier run), else profiles and calibrates the model
+    at the bench's batch size and at ``profiled_sizes``."""
     import profiler
     import torch
 
@@ -283,32 +284,26 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
     from ._runner import _job, _spawn
 
     config.out.mkdir(parents=True, exist_ok=True)
-    bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
-                         seq_len=config.seq_len, seed=config.seed)
-    saved = config.out / "profile.json"
-    profile = profiler.Profile.load(saved) if saved.exists() else None
-    if profile is None or profile.model.get("batch_size") != bundle.batch_size:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(config.threads)
-        try:
-            profile = calibrate(bundle, profiler.profile_step(bundle, optimizer="adam"))
-        finally:
-            torch.set_num_threads(threads)
-        profile.save(saved)
-    more = {}
-    for size in profiled_sizes(bundle.batch_size, batch_sizes):
-        path = config.out / f"profile-batch{size}.json"
-        more[size] = profiler.Profile.load(path) if path.exists() else None
-        if more[size] is None:
-            other = build_model(config.spec, model_args=config.model_args, batch_size=size, seq_len=config.seq_len,
-                                seed=config.seed)
-            threads = torch.get_num_threads()
-            torch.set_num_threads(config.threads)
-            try:
-                more[size] = calibrate(other, profiler.profile_step(other, optimizer="adam"))
-            finally:
-                torch.set_num_threads(threads)
-            more[size].save(path)
+    first = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
+                        seq_len=config.seq_len, seed=config.seed)
+    base = first.batch_size
+    profiles = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)  # the profiles' times are taken as the workers run
+    try:
+        for size in [base, *profiled_sizes(base, batch_sizes)]:
+            path = config.out / ("profile.json" if size == base else f"profile-batch{size}.json")
+            loaded = profiler.Profile.load(path) if path.exists() else None
+            if loaded is None or loaded.model.get("batch_size") != size:
+                bundle = first if size == base else build_model(config.spec, model_args=config.model_args,
+                                                                 batch_size=size, seq_len=config.seq_len,
+                                                                 seed=config.seed)
+                loaded = calibrate(bundle, profiler.profile_step(bundle, optimizer="adam"))
+                loaded.save(path)
+            profiles[size] = loaded
+    finally:
+        torch.set_num_threads(threads)
+    profile = profiles.pop(base)
     workdir = config.out / "jobs"
     workdir.mkdir(exist_ok=True)
 
@@ -317,5 +312,5 @@ def run_throughput(config: Any, batch_sizes: list[int]) -> dict[str, Any]:
 
     return throughput_section(profile=profile, batch_sizes=batch_sizes, job=job,
                               spawn=lambda j: _spawn(j, workdir, config.timeout), out=config.out,
-                              seq_len=bundle.seq_len, more_profiles=more, repeats=config.repeats,
+                              seq_len=first.seq_len, more_profiles=profiles, repeats=config.repeats,
                               rounds=config.paired_rounds)
