@@ -28,7 +28,8 @@ from ._budget import (
 from ._pipeline import Stage, merge_plans, split_layout, split_stages
 from ._schedules import chunk_layers, in_flight, pipeline_step_time
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile
-from ._scaling import ScalingCheck, profile_for_batch, scale_profile, scaling_error
+from ._scaling import (ScalingCheck, align_profiles, keep_all_step_time, profile_for_batch, retime_profile,
+                       scale_profile, scaling_error)
 from ._throughput import BatchSizesError, ThroughputResult, ThroughputRow, maximize_throughput, parse_batch_sizes
 
 __all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError",
@@ -39,4 +40,5 @@ __all__ = ["KEEP", "PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", 
            "simulate_assignment", "solver_names", "split_layout", "split_stages", "chunk_layers", "in_flight",
            "pipeline_step_time", "synthetic_profile",
            "BatchSizesError", "ScalingCheck", "ThroughputResult", "ThroughputRow", "maximize_throughput",
-           "parse_batch_sizes", "profile_for_batch", "scale_profile", "scaling_error"]
+           "parse_batch_sizes", "profile_for_batch", "scale_profile", "scaling_error", "align_profiles",
+           "keep_all_step_time", "retime_profile"]

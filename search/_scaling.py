@@ -27,7 +27,8 @@ from typing import Mapping
 
 from profiler._profile import Profile
 
-__all__ = ["scale_profile", "profile_for_batch", "scaling_error", "ScalingCheck", "SCALING_TOLERANCE"]
+__all__ = ["scale_profile", "profile_for_batch", "scaling_error", "ScalingCheck", "SCALING_TOLERANCE", "align_profiles",
+           "keep_all_step_time", "retime_profile"]
 
 SCALING_TOLERANCE = 0.1
 """Relative error of the keep-all peak activations and step time above which the scaling check warns."""
@@ -124,6 +125,53 @@ def profile_for_batch(profiles: Mapping[int, Profile], batch_size: int) -> Profi
     return scale_profile(tuple(profiles[b] for b in pair), batch_size)
 
 
+def retime_profile(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every compute time (ops, units, the step, the time outside the ops, the optimizer step)
+    ``factor`` times longer; bytes and the hardware's link figures unchanged."""
+    if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < float("inf")):
+        raise ValueError(f"factor={factor!r}: expected a positive finite number")
+    return replace(profile, ops=[replace(o, fwd_time=o.fwd_time * factor, bwd_time=o.bwd_time * factor)
+                                 for o in profile.ops],
+                   units=[replace(u, fwd_time=u.fwd_time * factor, bwd_time=u.bwd_time * factor) for u in profile.units],
+                   step_time=profile.step_time * factor, unattributed_time=profile.unattributed_time * factor,
+                   optimizer_time=profile.optimizer_time * factor)
+
+
+def keep_all_step_time(profile: Profile) -> float:
+    """The simulated step time of ``profile`` with nothing recomputed or swapped."""
+    from ._budget import keep_all
+    from ._model import StepModel
+    from ._simulator import simulate_assignment
+
+    model = StepModel.build(profile)
+    return simulate_assignment(model, keep_all(model)).step_time
+
+
+def align_profiles(profiles: Mapping[int, Profile], step_ratios: Mapping[int, float], *,
+                   reference: int) -> dict[int, Profile]:
+    """``profiles`` with each one's times scaled so that its keep-all step time relative to the ``reference``
+    profile's is ``step_ratios[batch]`` (a plain step at that batch over one at ``reference``, measured); sizes
+    without a ratio, and the reference, unchanged.
+
+    Note: [aligned profiles] profiles of different batch sizes are measured one after another, and the load on a
+    shared machine changes between them: their relative step times carry a few per cent of noise, more than the
+    true differences in tokens/s among neighbouring batch sizes. Plain steps of every profiled size timed in one
+    process, a step of each per round, measure those relative times far more closely (Note: [paired rounds]);
+    a profile's own times keep their proportions (what recomputing one op costs against another)."""
+    if reference not in profiles:
+        raise ValueError(f"reference={reference!r}: expected one of the profiled batch sizes "
+                         f"{', '.join(map(str, sorted(profiles)))}")
+    for batch, ratio in step_ratios.items():
+        if batch not in profiles:
+            raise ValueError(f"step_ratios[{batch!r}]: no profile at batch {batch!r}; expected one of "
+                             f"{', '.join(map(str, sorted(profiles)))}")
+        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < float("inf")):
+            raise ValueError(f"step_ratios[{batch}]={ratio!r}: expected a positive finite step time ratio")
+    base = keep_all_step_time(profiles[reference])
+    return {b: p if b == reference or b not in step_ratios
+            else retime_profile(p, step_ratios[b] * base / keep_all_step_time(p)) for b, p in profiles.items()}
+
+
 @dataclass(frozen=True)
 class ScalingCheck:
     """A measured profile against the one scaled to its batch size from two others."""
@@ -151,7 +199,6 @@ def _rel(measured: float, predicted: float) -> float:
 def scaling_error(profiles: Mapping[int, Profile]) -> list[ScalingCheck]:
     """Each batch size past the two smallest, checked against the rule applied to the two smallest."""
     from ._model import StepModel
-    from ._simulator import simulate_assignment
     from ._budget import activation_peak, keep_all
 
     sizes = sorted(profiles)
@@ -162,6 +209,6 @@ def scaling_error(profiles: Mapping[int, Profile]) -> list[ScalingCheck]:
         for prof in (measured, scaled):
             model = StepModel.build(prof)
             acts.append(activation_peak(model, keep_all(model)))
-            times.append(simulate_assignment(model, keep_all(model)).step_time)
+            times.append(keep_all_step_time(prof))
         checks.append(ScalingCheck(b, tuple(sizes[:2]), _rel(acts[0], acts[1]), _rel(times[0], times[1])))
     return checks

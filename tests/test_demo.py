@@ -42,9 +42,16 @@ def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
     assert rows["ours-milp"]["largest_batch"] == section["ours_top_predicted"][0]["batch_size"]
     assert section["ours_paired"]["status"] == "ok" and section["ours_paired"]["rounds"] == 6
     assert section["ranking_from"] == "paired rounds"
+    # Note: [aligned profiles] the profiled sizes' plain steps, timed in the same rounds, align their profiles
+    alignment = section["profile_alignment"]
+    assert alignment["status"] == "ok" and alignment["rounds"] == 6
+    assert [s["batch_size"] for s in alignment["sizes"]] == section["profiled_sizes"] == [1, 2, 4]
+    assert all(0.5 < s["factor"] < 2.0 for s in alignment["sizes"])
+    assert "ours' profiles aligned to plain steps timed in one process, 6 paired rounds" in text
     assert "throughput at" in text and "6 paired rounds" in text and "  by paired rounds: the predicted best" in text
     report = (out / "report.md").read_text()
     assert "## Throughput at a fixed memory" in report and "Ours' three predicted best batches" in report
+    assert "Ours' profiles aligned to plain steps timed in one process" in report
 
 
 def test_demo_bad_throughput_one_line(tmp_path, capsys):

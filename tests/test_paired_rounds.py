@@ -201,3 +201,32 @@ def test_worker_runs_the_candidates_in_one_process(tmp_path):
     assert result["status"] == "ok" and [len(t) for t in result["step_times"]] == [3, 3]
     assert all(t > 0 for times in result["step_times"] for t in times)
     assert result["tokens_per_step"] == [16, 32] and [i["decisions"] for i in result["info"]] == [2, 2]
+
+
+def test_worker_times_each_step_after_one_of_its_own(monkeypatch):
+    """Note: [paired rounds] a timed step follows an untimed step of the same candidate (what a training step
+    follows), never another candidate's; the order is reversed every other round."""
+    import time
+
+    from adaptive_mem.bench import _worker
+
+    events, real_step, real_clock = [], _worker._step, time.perf_counter
+
+    def step(bundle, optimizer, seed):
+        events.append(("step", bundle.batch_size))
+        return real_step(bundle, optimizer, seed)
+
+    def clock():
+        events.append(("clock", None))
+        return real_clock()
+
+    monkeypatch.setattr(_worker, "_step", step)
+    monkeypatch.setattr(_worker.time, "perf_counter", clock)
+    job = {"spec": "llama-tiny", "seq_len": 8, "seed": 0, "policy": "none", "warmup": 1, "rounds": 3,
+           "candidates": [{"batch_size": 1}, {"batch_size": 3}, {"batch_size": 2}]}
+    assert _worker.run_paired(job)["status"] == "ok"
+    starts = [k for k, e in enumerate(events) if e[0] == "clock"][::2]  # start, stop, start, ...
+    timed = [(k + 1, events[k + 1][1]) for k in starts]
+    assert [b for _, b in timed] == [1, 3, 2, 2, 3, 1, 1, 3, 2]
+    for k, b in timed:
+        assert events[k - 2] == ("step", b)  # the untimed step just before the clock started

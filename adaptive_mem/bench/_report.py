@@ -254,6 +254,11 @@ def _throughput(results: dict[str, Any]) -> list[str]:
         for r in predicted:
             lines.append(f"| {r['batch_size']} | {r['source']} | {'yes' if r['fits'] else 'no'} | {_s(r['step_time'])} | "
                          f"{r['tokens_per_s'] or 0:.1f} | {_mib(r['peak_bytes'])} |")
+    if section.get("profile_alignment"):
+        from ._align import format_alignment
+
+        head, *sizes = format_alignment(section["profile_alignment"])
+        lines += ["", head[0].upper() + head[1:], ""] + [f"- {line.strip()}" for line in sizes]
     return lines + _top_three(section)
 
 

@@ -19,7 +19,9 @@ their largest batch that fits.
 
 Runs in separate processes spread by 2-5 % here, more than the predicted tokens/s of the top three differ. With
 ``rounds``, the three are also timed in one process, a step of each per round (Note: [paired rounds]); that
-measurement, when it ran, decides whether the predicted best is the measured best (``bench._paired``).
+measurement, when it ran, decides whether the predicted best is the measured best (``bench._paired``). Before the
+search, the plain model at every profiled size is timed the same way, and the profiles' times are scaled to those
+step ratios (Note: [aligned profiles], ``bench._align``): profiles taken one after another differ by the load.
 """
 
 from __future__ import annotations
@@ -59,12 +61,18 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
         raise ValueError(f"rounds={rounds!r}: expected a non-negative integer")
     from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput, scaling_error
 
+    from ._align import align_to_paired_steps
+
     base = int(profile.model["batch_size"])
     profiles = {base: profile, **(more_profiles or {})}
     reference = spawn(job("none", base))
     if reference.get("status") != "ok":
         return {"error": f"the plain model at batch {base} failed: {reference.get('error')}"}
     memory = int(reference["peak_bytes"])
+    alignment = None
+    if rounds and len(profiles) > 1:
+        profiles, alignment = align_to_paired_steps(profiles, reference=base, job=job("none", base), rounds=rounds,
+                                                    spawn=spawn)
     rows = []
     for label, name in POLICIES:
         tried = []
@@ -92,7 +100,8 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
         rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
                      "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
         return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-                "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows, "ours_predicted": []}
+                "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows, "ours_predicted": [],
+                "profile_alignment": alignment}
     batch, solved = result.best
     path = out / "plans" / "throughput-ours.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -125,7 +134,8 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
                "ours_predicted": predicted, "ours_top_predicted": checked, "profiled_sizes": sorted(profiles),
                "scaling_checks": [c.describe() for c in scaling_error(profiles)],
                "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
-               "ours_ranking": ranking, "ours_measured_gap": gap, "ranking_from": "processes"}
+               "ours_ranking": ranking, "ours_measured_gap": gap, "ranking_from": "processes",
+               "profile_alignment": alignment}
     if rounds and len(checked) > 1 and all(c["status"] == "ok" for c in checked):
         section["ours_paired"] = _paired(job("ours-milp", batch, plan=plans[0]), checked, plans, rounds, spawn)
         if section["ours_paired"]["status"] == "ok":
@@ -207,6 +217,8 @@ def _top_predicted(result: Any, n: int) -> list[Any]:
 
 def format_throughput(section: dict[str, Any]) -> str:
     """The section as a text table (largest batch that fits and tokens/s per policy)."""
+    from ._align import format_alignment
+
     if "error" in section:
         return f"throughput: {section['error']}"
     repeats = section.get("repeats", 1)
@@ -223,6 +235,8 @@ def format_throughput(section: dict[str, Any]) -> str:
         lines.append(f"ours' profiles: batches {', '.join(map(str, section['profiled_sizes']))} measured, the others "
                      "interpolated between the two around them (or extrapolated beyond them)")
     lines += [f"  {check}" for check in section.get("scaling_checks") or []]
+    if section.get("profile_alignment"):
+        lines += format_alignment(section["profile_alignment"])
     top = section.get("ours_top_predicted") or []
     if top:
         lines.append(f"ours, the batches predicted best, {repeats} run(s) each, interleaved:")

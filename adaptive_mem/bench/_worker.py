@@ -147,12 +147,15 @@ def _built(job: dict[str, Any]) -> tuple[Any, torch.optim.Optimizer, Any]:
 
 def run_paired(job: dict[str, Any]) -> dict[str, Any]:
     """Every candidate (``{"batch_size", **policy args}`` over the job's keys) built and warmed up in this process,
-    then ``rounds`` rounds of one timed step each, the order reversed every other round.
+    then ``rounds`` rounds of one timed step each (after an untimed one), the order reversed every other round.
 
     Note: [paired rounds] Load on a shared machine drifts over minutes and a process's speed varies from one
     process to the next (2-5 % here); both hit every candidate of a round alike, so the per-round ratio of two
     candidates' tokens/s is far steadier than either's. The candidates share the process, so the device holds all
-    of them at once; peaks are measured by the one-process runs, not here."""
+    of them at once; peaks are measured by the one-process runs, not here. A step right after another
+    candidate's is not a training step: the host allocator has handed back or cut up what the other freed, and
+    the largest candidate pays to fault its memory in again (llama-small, plain batch 8 after batch 4: 10 s;
+    after itself: 8 s). So each timed step follows an untimed step of its own, as in training."""
     torch.manual_seed(int(job.get("seed", 0)))
     built = []
     try:
@@ -166,8 +169,9 @@ def run_paired(job: dict[str, Any]) -> dict[str, Any]:
             order = list(range(len(built)))
             for k in (order if r % 2 == 0 else order[::-1]):
                 _, optimizer, applied = built[k]
-                start = time.perf_counter()
                 _step(applied.bundle, optimizer, 1000 + r)
+                start = time.perf_counter()
+                _step(applied.bundle, optimizer, 2000 + r)
                 times[k].append(time.perf_counter() - start)
     finally:
         for _, _, applied in built:
