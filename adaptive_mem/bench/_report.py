@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ._align import format_alignment
 from ._results import budget_label
 
 __all__ = ["render_report", "compare", "compile_landing", "TIME_TOLERANCE", "PLOTS"]
@@ -255,8 +256,6 @@ def _throughput(results: dict[str, Any]) -> list[str]:
             lines.append(f"| {r['batch_size']} | {r['source']} | {'yes' if r['fits'] else 'no'} | {_s(r['step_time'])} | "
                          f"{r['tokens_per_s'] or 0:.1f} | {_mib(r['peak_bytes'])} |")
     if section.get("profile_alignment"):
-        from ._align import format_alignment
-
         head, *sizes = format_alignment(section["profile_alignment"])
         lines += ["", head[0].upper() + head[1:], ""] + [f"- {line.strip()}" for line in sizes]
     return lines + _top_three(section)

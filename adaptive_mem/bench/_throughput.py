@@ -31,6 +31,8 @@ import statistics
 from pathlib import Path
 from typing import Any, Callable
 
+from ._align import align_to_paired_steps, format_alignment
+
 __all__ = ["throughput_section"]
 
 log = logging.getLogger(__name__)
@@ -60,8 +62,6 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ValueError(f"rounds={rounds!r}: expected a non-negative integer")
     from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput, scaling_error
-
-    from ._align import align_to_paired_steps
 
     base = int(profile.model["batch_size"])
     profiles = {base: profile, **(more_profiles or {})}
@@ -217,8 +217,6 @@ def _top_predicted(result: Any, n: int) -> list[Any]:
 
 def format_throughput(section: dict[str, Any]) -> str:
     """The section as a text table (largest batch that fits and tokens/s per policy)."""
-    from ._align import format_alignment
-
     if "error" in section:
         return f"throughput: {section['error']}"
     repeats = section.get("repeats", 1)
