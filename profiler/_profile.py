@@ -76,10 +76,14 @@ class StaticMemory:
     """Optimizer the state size was computed for."""
     buffers: int = 0
     """Bytes of module buffers (e.g. rotary tables registered as buffers)."""
+    other: int = 0
+    """Bytes the device held beside the step's tensors at most: a parallel wrapper's own buffers (DDP's gradient
+    buckets, FSDP2's gathered block and its collective buffers), other tensors of the program; measured during
+    the recorded step (``profiler._other_memory``, Note: [other device memory]); held for the whole step."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.buffers + self.gradients + self.optimizer_state
+        return self.parameters + self.buffers + self.gradients + self.optimizer_state + self.other
 
 
 @dataclass(frozen=True)

@@ -28,10 +28,11 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._cost import estimate_seconds, op_bytes, op_flops
+from ._other_memory import MemoryMeter, OtherMemory
 from ._profile import HardwareSpec
 from ._units import UnitNamer, is_view_op
 
-__all__ = ["OpEvent", "Recorder", "local_shard", "storage_key"]
+__all__ = ["OpEvent", "Recorder", "local_shard", "no_cycle", "storage_key"]
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -49,6 +50,18 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     itself. Profiles count it, the swap engine moves it (Note: [DTensor swap])."""
     local = getattr(t, "_local_tensor", None)
     return local if isinstance(local, torch.Tensor) and type(t).__name__ == "DTensor" else t
+
+
+def no_cycle(t: object) -> object:
+    """Note: [pack without a cycle]. What a pack hook returns is held by the autograd node that saves it;
+    a tensor that node produced (ops saving their output: exp, softmax, ...) holds that node as its
+    ``grad_fn``, a cycle through C++ that the garbage collector cannot see. Backward frees it; a graph
+    dropped without backward (a step that failed in forward, an evaluation under grad) would leak its
+    activations, and whatever the hooks hold (the model), for good. Saving ``t.detach()`` breaks the cycle:
+    autograd re-attaches the metadata on unpack (tests/test_swap_manager.py
+    ``test_a_graph_dropped_without_backward_leaks_nothing``, tests/test_adaptive.py
+    ``test_a_failed_forward_leaves_nothing_alive``)."""
+    return t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t
 
 
 def storage_key(t: torch.Tensor) -> int | None:
@@ -89,11 +102,13 @@ class Recorder(TorchDispatchMode):
     accelerator), ``"estimate"`` (roofline from ``hardware``; for fake tensors)
     or ``None`` (no times). ``static`` are tensors that live outside the step
     (parameters, buffers): saving them costs nothing and they are never an
-    op's output.
+    op's output. ``meter``: the device's live bytes, to measure what it holds
+    beside the step's tensors (:attr:`other`, ``_other_memory.py``).
     """
 
     def __init__(self, root: nn.Module, *, timing: str | None, hardware: HardwareSpec | None = None,
-                 static: Iterable[torch.Tensor] = (), sync_device: torch.device | None = None) -> None:
+                 static: Iterable[torch.Tensor] = (), sync_device: torch.device | None = None,
+                 meter: MemoryMeter | None = None) -> None:
         super().__init__()
         assert timing in ("measure", "estimate", None), timing
         assert timing != "estimate" or hardware is not None
@@ -114,6 +129,12 @@ class Recorder(TorchDispatchMode):
         self._alive: dict[int, weakref.ref] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
+        self.other = OtherMemory(meter)
+        """Device bytes beside the step's tensors (a wrapper's buffers, optimizer state...), at most."""
+        self.device_peak: int | None = None
+        """The device's peak bytes over the recorded step, by the meter (None without one)."""
+        self.wrapper_time = 0.0
+        """Seconds of a parallel wrapper's own forward ops (Note: [wrapper ops]): step time of no unit."""
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager
@@ -168,7 +189,7 @@ class Recorder(TorchDispatchMode):
         if st is None:
             return 0
         key = st._cdata
-        if key in input_keys or key in self.static_keys:
+        if key in input_keys or key in self.static_keys or self.other.is_wrapper(key):
             return 0
         ref = self._alive.get(key)
         if ref is not None and ref() is st:
@@ -195,10 +216,10 @@ class Recorder(TorchDispatchMode):
         self._packs.append((node, node not in self._seq_to_op))
         st = _storage(t)
         if st is None:
-            return t
+            return no_cycle(t)
         key = st._cdata
-        if key in self.static_keys or key in self._saved:
-            return t
+        if key in self.static_keys or key in self._saved or self.other.is_wrapper(key):
+            return no_cycle(t)  # a wrapper's buffer (a gathered parameter) is the wrapper's memory: Note: [wrapper ops]
         self._saved.add(key)
         producer = self._producer.get(key)
         if producer is None:
@@ -207,7 +228,7 @@ class Recorder(TorchDispatchMode):
             event = self.events[producer]
             event.saved_bytes += st.nbytes()
             event.saved_storages += 1
-        return t
+        return no_cycle(t)
 
     # ------------------------------------------------------------------ dispatch
     def _sync(self) -> None:
@@ -234,8 +255,24 @@ class Recorder(TorchDispatchMode):
             return self._backward_op(func, args, kwargs)
         return func(*args, **kwargs)
 
+    def _wrapper_op(self, func, args, kwargs):
+        """A region marker or a parallel wrapper's own op (Note: [wrapper ops]): no unit; what it allocates is the
+        wrapper's memory; its time is the step's, of no unit."""
+        out, seconds = self._run(func, args, kwargs)
+        for t in _tensors(out):
+            st = _storage(t)
+            if st is not None and st.nbytes() and storage_key(t) not in self._alive:
+                self.other.add_wrapper(st)
+        self.other.sample(self.live_bytes, wrapper_op=True)
+        return out, seconds
+
     def _forward_op(self, func, args, kwargs):
-        unit = self.namer.name(func)
+        unit = self.namer.name(func, args)
+        if unit is None and (func.namespace == "profiler" or self.namer.in_wrapper):
+            self._last_seq = torch.autograd._get_sequence_nr()
+            out, seconds = self._wrapper_op(func, args, kwargs)
+            self.wrapper_time += seconds
+            return out
         if unit is None and func.namespace == "prim":  # metadata (fake tensors' .device): no node of its own
             return func(*args, **kwargs)
         seq = torch.autograd._get_sequence_nr()
@@ -267,13 +304,17 @@ class Recorder(TorchDispatchMode):
                 event.output_bytes += nbytes
         event.flops = op_flops(func, args, kwargs, out)
         event.fwd_time = self._estimate(func, args, kwargs, out, event.flops) if self.timing == "estimate" else seconds
+        self.other.sample(self.live_bytes)
         return out
 
     def _backward_op(self, func, args, kwargs):
+        # A wrapper's backward ops (FSDP2's reduce-scatter) are tracked like the gradients they make: their
+        # outputs become the sharded gradients, which the profile counts as such.
         out, seconds = self._run(func, args, kwargs)
         input_keys = {storage_key(t) for t in _tensors((args, kwargs))}
         for t in _tensors(out):
             self._track(t, input_keys)
+        self.other.sample(self.live_bytes)
         if self.timing is None or is_view_op(func):
             return out
         if self.timing == "estimate":

@@ -12,25 +12,31 @@ from ._recorder import local_shard
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPTIMIZERS", "static_memory", "unique_bytes"]
+__all__ = ["OPTIMIZERS", "allocated_optimizer_state", "static_memory", "unique_bytes"]
 
 # Bytes of optimizer state per trainable parameter element, for optimizers named by string.
 # Adam/AdamW: two fp32 moments (mixed-precision practice: fp32 state whatever the parameter dtype).
 OPTIMIZERS: dict[str, int] = {"adam": 8, "adamw": 8, "sgd": 0, "sgd-momentum": 4}
 
 
-def unique_bytes(tensors, *, whole: frozenset[int] = frozenset()) -> int:
+def unique_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors`` (tied weights count once; a DTensor's local shard, what
-    the rank holds, unless its ``id`` is in ``whole``)."""
+    the rank holds: FSDP2's gathered blocks are the wrapper's memory, ``static.other``)."""
     seen: dict[int, int] = {}
     for t in tensors:
-        st = (t if id(t) in whole else local_shard(t)).untyped_storage()
+        st = local_shard(t).untyped_storage()
         seen[st._cdata] = st.nbytes()
     return sum(seen.values())
 
 
-def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Optimizer, *,
-                     whole: frozenset[int] = frozenset()) -> tuple[int, str]:
+def allocated_optimizer_state(optimizer: str | torch.optim.Optimizer | None) -> int:
+    """Bytes of the optimizer state tensors allocated now (0 before a torch optimizer's first step, or for a name)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return 0
+    return unique_bytes(t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+
+
+def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Optimizer) -> tuple[int, str]:
     numel = sum(p.numel() for p in {id(p): p for p in params}.values())
     if isinstance(optimizer, str):
         key = optimizer.lower()
@@ -42,13 +48,12 @@ def _optimizer_state(params: list[nn.Parameter], optimizer: str | torch.optim.Op
             f"optimizer={type(optimizer).__name__}: expected one of {', '.join(OPTIMIZERS)} or a torch optimizer"
         )
     name = type(optimizer).__name__.lower()
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    state = allocated_optimizer_state(optimizer)
     if state:
-        of_whole = frozenset(id(t) for p, s in optimizer.state.items() if id(p) in whole for t in s.values())
-        return unique_bytes(state, whole=of_whole), name
+        return state, name
     # torch creates the state lazily at the first step, one tensor per parameter-sized buffer, in the
     # parameters' dtype; the buffers each torch optimizer keeps (torch/optim/<name>.py, _init_group).
-    return _lazy_state_copies(optimizer) * unique_bytes(params, whole=whole), name
+    return _lazy_state_copies(optimizer) * unique_bytes(params), name
 
 
 def _lazy_state_copies(optimizer: torch.optim.Optimizer) -> int:
@@ -72,24 +77,13 @@ def _lazy_state_copies(optimizer: torch.optim.Optimizer) -> int:
 
 
 def static_memory(model: nn.Module, *, optimizer: str | torch.optim.Optimizer | None = None) -> StaticMemory:
-    """Parameters, buffers, gradients (trainable parameters) and optimizer state (Adam when not given)."""
+    """Parameters, buffers, gradients (trainable parameters) and optimizer state (Adam when not given), as this
+    rank holds them (local shards of sharded parameters)."""
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    whole = _fsdp_parameters(model)
-    state, name = _optimizer_state(trainable, "adam" if optimizer is None else optimizer, whole=whole)
+    state, name = _optimizer_state(trainable, "adam" if optimizer is None else optimizer)
     return StaticMemory(
-        parameters=unique_bytes(params, whole=whole), gradients=unique_bytes(trainable, whole=whole),
+        parameters=unique_bytes(params), gradients=unique_bytes(trainable),
         optimizer_state=state, optimizer=name,
         buffers=unique_bytes(b for b in model.buffers() if b is not None),
     )
-
-
-def _fsdp_parameters(model: nn.Module) -> frozenset[int]:
-    """Parameters FSDP2 manages: counted whole. A rank holds their shards, but all-gathers each layer's parameters
-    (and reduce-scatters its unsharded gradients) in flight, with prefetch; the whole size keeps the static check on
-    the safe side of that (tests/test_adaptive_refusals.py). Tensor-parallel DTensors count their local shard."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch built without distributed
-        return frozenset()
-    return frozenset(id(p) for m in model.modules() if isinstance(m, FSDPModule) for p in m.parameters())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import statistics
 import time
@@ -16,9 +17,10 @@ from ._compiled import CompileBackendError, apply_compiled, check_backend, measu
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
-from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
+from ._other_memory import MemoryMeter
+from ._profile import HardwareSpec, OpRecord, Profile, StaticMemory, UnitRecord
 from ._recorder import OpEvent, Recorder, local_shard
-from ._static import static_memory
+from ._static import allocated_optimizer_state, static_memory
 from ._timing import timed
 
 __all__ = ["StepTarget", "profile_compiled", "profile_step"]
@@ -117,6 +119,7 @@ def profile_step(
     record: int = 3,
     optimizer_time: float | None = None,
     compile: str | None = None,
+    meter: MemoryMeter | None = None,
 ) -> Profile:
     """Profile one training step (forward + backward) of ``target``.
 
@@ -133,6 +136,11 @@ def profile_step(
     scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
     ``compile``: a ``torch.compile`` backend (``inductor``, ``aot_eager``): the profile describes the model
     with every block compiled (:func:`profile_compiled`).
+    ``meter``: the device's live and peak bytes (``live()``, ``peak()``, ``reset_peak()``; on CPU an
+    ``adaptive_mem.DeviceMemory``; on an accelerator its allocator's statistics by default): what the device
+    holds beside the step's tensors is measured with it (``static.other``: Note: [other device memory]) and
+    ``peak_memory`` is at least its peak; without one, ``other`` is what a parallel wrapper's own ops allocate
+    (Note: [wrapper ops]) and the peak the recorder's count.
     """
     if compile is not None:
         check_backend(compile)
@@ -152,12 +160,13 @@ def profile_step(
     start = time.perf_counter()
     try:
         with torch.random.fork_rng(devices=rng_devices), (step.fake_mode or contextlib.nullcontext()):
-            recorder, step_time = _record(step, device, hw, fake, warmup, repeat, 1 if fake else record)
+            recorder, step_time = _record(step, device, hw, fake, warmup, repeat, 1 if fake else record, meter)
     finally:
         model.train(was_training)
         for p, grad in saved_grads:
             p.grad = grad
-    result = _build(step, recorder, hw, static, device, fake, step_time, dtype)
+    static, peak = _measured_memory(recorder, static, optimizer)
+    result = _build(step, recorder, hw, static, device, fake, step_time, dtype, peak)
     if optimizer_time is None:
         optimizer_time = _optimizer_seconds(model, optimizer or "adam", hw, fake)
     elif optimizer_time < 0:
@@ -168,6 +177,35 @@ def profile_step(
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
+
+
+def _measured_memory(recorder: Recorder, static: StaticMemory, optimizer: Any) -> tuple[StaticMemory, int]:
+    """``static`` with what the device held beside the step's tensors (``other``, Note: [other device memory]), and
+    the step's peak bytes before the optimizer state: the recorder's count plus ``other``, or more where the device
+    measured more (kernels' scratch buffers, which the recorder does not see)."""
+    other = recorder.other.peak
+    present = allocated_optimizer_state(optimizer) if recorder.other.meter is not None else 0
+    other = max(0, other - present)  # the meter also saw the optimizer state allocated now, which ``static`` counts
+    peak = recorder.peak_bytes + other
+    if recorder.device_peak is not None:
+        peak = max(peak, recorder.device_peak - present)
+    return dataclasses.replace(static, other=int(other)), int(peak)
+
+
+class _AcceleratorMeter:
+    """An accelerator's allocator statistics as a :class:`MemoryMeter`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def live(self) -> int:
+        return torch.accelerator.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.accelerator.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.device)
 
 
 def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer, hw: HardwareSpec, fake: bool) -> float:
@@ -182,9 +220,9 @@ def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer,
 
 
 def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int,
-            repeat: int, record: int) -> tuple[Recorder, float | None]:
+            repeat: int, record: int, meter: MemoryMeter | None) -> tuple[Recorder, float | None]:
     if fake:
-        return _record_once(step, device, hw, fake), None
+        return _record_once(step, device, hw, fake, None), None
     for _ in range(warmup):
         _plain_step_seconds(step, device)
     # Plain and recorded steps alternate, so each median draws on samples spread over the whole
@@ -195,27 +233,31 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
         if i < repeat:
             plain.append(_plain_step_seconds(step, device))
         if i < record:
-            recorders.append(_record_once(step, device, hw, fake))
+            recorders.append(_record_once(step, device, hw, fake, meter))
     _take_median_times(recorders)
+    recorders[0].other.peak = max(r.other.peak for r in recorders)
+    recorders[0].device_peak = max((r.device_peak for r in recorders if r.device_peak is not None), default=None)
     return recorders[0], (statistics.median(plain) if plain else None)
 
 
-def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool) -> Recorder:
+def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool,
+                 meter: MemoryMeter | None) -> Recorder:
     model = step.model
     _clear_grads(model)
     static_tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
+    if meter is None and device.type not in ("cpu", "meta"):
+        meter = _AcceleratorMeter(device)
     recorder = Recorder(model, timing="estimate" if fake else "measure", hardware=hw, static=static_tensors,
-                        sync_device=device if device.type not in ("cpu", "meta") else None)
+                        sync_device=device if device.type not in ("cpu", "meta") else None, meter=meter)
     recorder.start_memory([*static_tensors, *step.inputs])
-    accel = device.type not in ("cpu", "meta")
-    if accel:
-        torch.accelerator.reset_peak_memory_stats(device)
+    if meter is not None:
+        meter.reset_peak()
     with recorder.forward():
         loss = step.loss()
     with recorder.backward():
         loss.backward()
-    if accel:
-        recorder.peak_bytes = torch.accelerator.max_memory_allocated(device)
+    if meter is not None:
+        recorder.device_peak = meter.peak()
     del loss
     _clear_grads(model)
     return recorder
@@ -248,12 +290,12 @@ def _take_median_times(recorders: list[Recorder]) -> None:
 
 
 def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,
-           step_time: float | None, dtype: torch.dtype) -> Profile:
+           step_time: float | None, dtype: torch.dtype, peak: int) -> Profile:
     namer = recorder.namer
     ops = [_op_record(e, namer) for e in recorder.events]
     units = _units(recorder.events, namer)
     if step_time is None:
-        step_time = sum(o.fwd_time + o.bwd_time for o in ops) + recorder.unattributed_bwd_time
+        step_time = sum(o.fwd_time + o.bwd_time for o in ops) + recorder.unattributed_bwd_time + recorder.wrapper_time
     link_source = "spec"
     if device.type == "cpu" or (device.type != "meta" and hw.source.startswith("measured")):
         link_source = "measured"  # the spec itself was measured on this device
@@ -273,7 +315,7 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         model=info, device=device.type, measured=not fake, hardware=hw,
         layer_container=layers.container if layers else None, num_layers=layers.count if layers else 0,
         static=static, ops=ops, units=units, saved_input_bytes=recorder.saved_input_bytes,
-        peak_memory=int(recorder.peak_bytes + static.optimizer_state), step_time=float(step_time),
+        peak_memory=int(peak + static.optimizer_state), step_time=float(step_time),
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],

@@ -142,3 +142,73 @@ def test_optimize_with_a_budget_is_the_adaptive_loop_and_excludes_a_manual_plan(
     with adaptive_mem.optimize(b.model, plan=manual):
         with pytest.raises(ValueError, match="already has a plan applied"):
             adaptive_optimize(b.model, budget=9_000_000)
+
+
+class _Boom(Exception):
+    pass
+
+
+@pytest.mark.parametrize("fail_at", [1, 3], ids=["warm-up profile", "step with a plan"])
+def test_a_failed_forward_leaves_nothing_alive(ref, fail_at):
+    """Note: [pack without a cycle]: a forward that raises under the loop (in the warm-up's profile, or at a later
+    step with a plan and the SwapManager's rescues) leaves nothing of the step or the model alive once the handle is
+    removed: no slot, no swap record, no device byte."""
+    import gc
+    import weakref
+
+    from adaptive_mem.memory._storage import Slot
+    from adaptive_mem.runtime._swap_engine import Packed
+
+    _, peak = ref
+    b = bundle()
+    opt = optimizer(b.model)
+    model = weakref.ref(b.model)
+    step = {"n": 0}
+
+    def boom(module, args):
+        if step["n"] == fail_at:
+            raise _Boom
+    b.model.layers[2].register_forward_pre_hook(boom)
+    am = adaptive_optimize(b.model, budget=int(0.7 * peak), optimizer=opt, cache=False)
+    with DeviceMemory(cap=int(0.7 * peak), track_existing=False) as mem:
+        mem.track(b.model, opt)
+        with pytest.raises(_Boom):
+            for step["n"] in range(1, fail_at + 1):
+                b.loss(b.batch(seed=step["n"])).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert fail_at == 1 or am.plan is not None and am.plan.decisions, "no plan was applied before the failure"
+        am.remove()
+        del am, b, opt
+        gc.collect()
+        assert model() is None, "the failed forward keeps the model alive"
+        assert not [o for o in gc.get_objects() if type(o) in (Slot, Packed)]
+        assert mem.live == 0, f"{mem.live} device bytes of the step are still alive"
+
+
+FAULTS = 40  # with tests/test_parallel_adaptive_layouts.py's 30 under DDP and 30 under FSDP2: 100 injected faults
+
+
+def test_injected_out_of_memory_faults_at_random_allocations_change_nothing(ref):
+    """Out-of-memory faults injected at random allocations of adaptive steps (warm-up profile, plan changes, converged
+    steps): every step survives, with the gradients of the run without the loop."""
+    import random
+
+    grads, peak = ref
+    b = bundle()
+    opt = optimizer(b.model)
+    rng = random.Random(0)
+    with adaptive_optimize(b.model, budget=int(0.7 * peak), optimizer=opt, cache=False) as am:
+        with DeviceMemory(cap=int(0.7 * peak), track_existing=False) as mem:
+            mem.track(b.model, opt)
+            for step in range(STEPS):
+                mem.allocations = 0
+                for _ in range(FAULTS // STEPS):
+                    mem.inject_fault(at=rng.randrange(1, 400), needed=rng.randrange(1, 1 << 20))
+                b.loss(b.batch(seed=step)).backward()
+                assert mem.allocations > 400, "a fault may lie beyond the step's allocations"
+                assert_grads(b.model, grads[step], step)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert mem.faults == FAULTS
+        assert am.manager.stats.rescues >= FAULTS // 2, am.manager.stats

@@ -39,7 +39,7 @@ from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
 from ._ranks import RankGroup, share_decision
 from ._target_search import Move, StepRecord, TargetSearch
-from ._wrappers import wrapper_memory
+from ._wrappers import warn_untested
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
 
@@ -69,7 +69,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self.prefetch_reserve = 0.1
         """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self._wrapper = wrapper_memory(model)
+        warn_untested(model)
         self.manager = SwapManager(model, device=self.device, host_budget=host_budget)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
         self.manager.headroom = self._headroom
@@ -116,6 +116,12 @@ class AdaptiveMemory(StepMeasurement, Planner):
     @property
     def converged(self) -> bool:
         return self.converged_at is not None
+
+    @property
+    def minimum(self) -> int | None:
+        """The smallest budget the profiled step can run under (bytes, the group's largest under data parallelism),
+        measured at the last profile; None before it."""
+        return self._min_needed or None
 
     @property
     def target(self) -> int | None:
@@ -169,12 +175,35 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self._in_step = True
         self.hook.begin_step()
         self.hook.enter()
+        earlier = self._hooks_before_ours(module)
+        profiles = self.profiles_run
         try:
             self._begin(args, kwargs)
         except BaseException:
             self._inputs_key = None  # plan again next time
             self._abandon()
             raise  # the always-called forward hook still runs: it balances the depth
+        if earlier and self.profiles_run > profiles:
+            self._rerun(module, earlier, args, kwargs)
+
+    def _hooks_before_ours(self, module: nn.Module) -> list[tuple[int, Any]]:
+        """Forward pre-hooks of ``module`` that ran before the loop's in this call (a wrapper applied after the
+        loop: FSDP2's ``fully_shard`` prepends its own)."""
+        ours = self._handles[0].id
+        hooks = list(module._forward_pre_hooks.items())
+        position = next((i for i, (key, _) in enumerate(hooks) if key == ours), 0)
+        return hooks[:position]
+
+    def _rerun(self, module: nn.Module, earlier: list[tuple[int, Any]], args: tuple, kwargs: dict) -> None:
+        """Note: [hooks before the loop's] the profile ran a whole step inside this forward's pre-hooks; a wrapper's
+        pre-hook that ran before the loop's set up state for this forward which that step's end took down (FSDP2
+        reshards every block and ends its iteration after backward). Run those hooks again for this forward, and
+        put the loop's hook first for the next ones. Guarded by tests/test_parallel_adaptive_layouts.py."""
+        with_kwargs = module._forward_pre_hooks_with_kwargs
+        for key, hook in earlier:
+            hook(module, args, kwargs) if key in with_kwargs else hook(module, args)
+        self._handles[0].remove()
+        self._handles[0] = module.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True)
 
     def _abandon(self) -> None:
         self._in_step = False

@@ -20,6 +20,7 @@ from torch.utils._pytree import tree_flatten
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._spill import HostBudget
 from ._target_search import StepRecord, TargetSearch
+from ._wrappers import wrapper_memory
 
 __all__ = ["AdaptiveBudgetError", "StepMeasurement"]
 
@@ -57,51 +58,13 @@ class StepMeasurement:
 
     # ------------------------------------------------------------------ warm-up: profile the live step
     def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
-        import profiler
         from search import StepModel, minimum_budget
 
         self._needs_profile = False
         self._kind = "warmup"
         self._check_static()
         start = time.perf_counter()
-        hardware = None
-        if self.device.type == "cpu":  # the bandwidth probe's buffers are no device memory of the step
-            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-            with host_allocations():
-                hardware = profiler.hardware_spec("cpu", dtype=dtype)
-        self._busy += 1
-        moved0 = self.manager.stats.first_out_bytes
-        try:
-            prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
-                                         optimizer=self.optimizer, warmup=0, repeat=0, record=1, hardware=hardware,
-                                         optimizer_time=0.0)  # the same for every plan; timing a scratch copy
-                                                              # would allocate inside the budget
-        except torch.OutOfMemoryError as exc:
-            size, what = self.manager.largest_unswappable()
-            raise AdaptiveBudgetError(
-                f"--memory-budget={self.budget}: the step does not fit even with every swappable activation on "
-                f"the host (needed more than the budget {_fmt(self.budget)}; largest unswappable tensor: {what}, "
-                f"{_fmt(size)}): {exc}") from None
-        finally:
-            self._busy -= 1
-        self.profiles_run += 1
-        moved = self.manager.stats.first_out_bytes - moved0
-        if moved:
-            # Note: [profile under rescue] the profiled step survived by swapping; its measured peak is the
-            # budget's, not the plain step's. The activations swapped out were all still alive at the start
-            # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
-            # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
-            log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
-                     "peak is taken as measured + swapped", _fmt(moved))
-            prof.peak_memory += moved
-        resident = self._wrapper.resident + self._wrapper.in_flight
-        if resident:
-            # Note: [wrapper memory in the profile] what a wrapper holds (DDP's buckets, FSDP2's layer in flight)
-            # is counted as static memory of every plan. The CPU recorder counts only the step's own tensors;
-            # an accelerator's measured peak already holds the buckets (allocated before the step).
-            prof.static = dataclasses.replace(prof.static, buffers=prof.static.buffers + resident)
-            if prof.device == "cpu":
-                prof.peak_memory += resident
+        prof = self._take_profile(args, kwargs)
         self._profile = prof
         self.manager.set_profile(prof)
         host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
@@ -110,8 +73,6 @@ class StepMeasurement:
         self._step_model = model = StepModel.build(prof, host_budget=host.limit)
         needed, what = minimum_budget(model)
         needed = self.ranks.reduce_max([needed])[0]  # every DP rank refuses, or none does
-        if self._wrapper.what:
-            what += f"; with {self._wrapper.what}"
         if needed > self.budget:
             raise AdaptiveBudgetError(
                 f"--memory-budget={self.budget}: below the minimum feasible; needed {_fmt(needed)}, "
@@ -124,15 +85,61 @@ class StepMeasurement:
         # Note: [one decision per DP group]: the other ranks take the deciding rank's plan at the step's end
         self._pending = self._solve(self.search.target) if self.ranks.decides else False
 
+    def _take_profile(self, args: tuple, kwargs: dict) -> Any:
+        """The live step profiled on its inputs, with what the device holds beside it (Note: [other device
+        memory]) measured through the loop's hook."""
+        import profiler
+
+        hardware = None
+        if self.device.type == "cpu":  # the bandwidth probe's buffers are no device memory of the step
+            dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+            with host_allocations():
+                hardware = profiler.hardware_spec("cpu", dtype=dtype)
+        self._busy += 1
+        moved0 = self.manager.stats.first_out_bytes
+        try:
+            prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
+                                         optimizer=self.optimizer, warmup=0, repeat=0, record=1, hardware=hardware,
+                                         optimizer_time=0.0,  # the same for every plan; timing a scratch copy
+                                                              # would allocate inside the budget
+                                         meter=self.hook if self.hook.live() is not None else None)
+        except torch.OutOfMemoryError as exc:
+            size, what = self.manager.largest_unswappable()
+            short = self.budget + getattr(exc, "needed", 0)
+            raise AdaptiveBudgetError(
+                f"--memory-budget={self.budget}: below the minimum feasible; needed more than {_fmt(short)}: the "
+                f"profiled step does not fit even with every swappable activation on the host (largest unswappable "
+                f"tensor: {what}, {_fmt(size)}): {exc}") from None
+        finally:
+            self._busy -= 1
+        self.profiles_run += 1
+        buckets = wrapper_memory(self.model, around=True).buckets
+        if buckets > prof.static.other:  # Note: [DDP gradient buckets]: held beside the step, seen or not
+            prof.peak_memory += buckets - prof.static.other
+            prof.static = dataclasses.replace(prof.static, other=buckets)
+        moved = self.manager.stats.first_out_bytes - moved0
+        if moved:
+            # Note: [profile under rescue] the profiled step survived by swapping; its measured peak is the
+            # budget's, not the plain step's. The activations swapped out were all still alive at the start
+            # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
+            # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
+            log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
+                     "peak is taken as measured + swapped", _fmt(moved))
+            prof.peak_memory += moved
+        return prof
+
     def _check_static(self) -> None:
-        """Parameters, their gradients and what a parallel wrapper holds never leave the device: fail before the
-        step if they cannot fit."""
-        params = {p.untyped_storage()._cdata: p for p in self.model.parameters()}
-        param_bytes = sum(p.untyped_storage().nbytes() for p in params.values())
-        grad_bytes = sum(p.untyped_storage().nbytes() for p in params.values() if p.requires_grad and p.grad is None)
+        """Parameters, their gradients and what a parallel wrapper surely gathers never leave the device: fail
+        before the step if they cannot fit (a lower bound; the profile of the first step measures the rest)."""
+        from profiler._static import unique_bytes  # a sharded parameter: this rank's shard
+
+        params = list(self.model.parameters())
+        param_bytes = unique_bytes(params)
+        grad_bytes = unique_bytes(p for p in params if p.requires_grad and p.grad is None)
         live = self.hook.live()
-        wrapper = self._wrapper
-        needed = max(live or 0, param_bytes + wrapper.resident) + grad_bytes + wrapper.in_flight
+        wrapper = wrapper_memory(self.model)
+        needed = max(live or 0, param_bytes + wrapper.buckets) + grad_bytes + wrapper.gathered
+        needed = self.ranks.reduce_max([needed])[0]  # every DP rank refuses, or none does
         if needed > self.budget:
             size, what = self.manager.largest_unswappable()
             held = f", {wrapper.what}" if wrapper.what else ""

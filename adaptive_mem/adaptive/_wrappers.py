@@ -1,32 +1,46 @@
-"""What a parallel wrapper around the model holds on the device beyond the model itself.
+"""What a parallel wrapper around the model surely adds to device memory.
 
-The profile sees the step's parameters, gradients, optimizer state and activations; a wrapper adds memory
-of its own: DDP's gradient buckets for the whole step, FSDP2's unsharded layer in flight.
-:func:`wrapper_memory` gives those bytes, so that the budget check and the profile count them; a wrapper
-it cannot size is named in one warning.
+The loop measures what a wrapper holds while it profiles the first step (``static.other``, Note: [other
+device memory]): FSDP2's gathered block and its collective buffers, DDP's gradient buckets. Two things are
+known without a measurement:
+
+* before any step, a lower bound for the refusal of a budget that cannot hold even the model: FSDP2 gathers
+  each block's whole parameters for its forward, so the largest block's unsharded bytes are on the device
+  at some moment beside the rank's shards;
+* Note: [DDP gradient buckets] DDP keeps one flat bucket per ``bucket_cap_mb`` of trainable gradients from
+  its construction on, and builds them anew after its first backward (in the order gradients became
+  ready): the profile of the first step may see neither (on CPU, buckets made before the active
+  ``DeviceMemory`` and not tracked are not counted until rebuilt inside it). They are held for the whole
+  step, as many bytes as the trainable gradients unless ``gradient_as_bucket_view`` makes the gradients
+  views of them; the profile holds at least that much beside the step. Guarded by
+  tests/test_parallel_adaptive_layouts.py (DDP, before and after the wrapper, between the minimum and the
+  plain peak).
+
+A wrapper the loop is not tested under is named in one warning.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["WrapperMemory", "wrapper_memory"]
+__all__ = ["WrapperMemory", "warn_untested", "wrapper_memory"]
 
 log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logger]
 
 
 @dataclass(frozen=True)
 class WrapperMemory:
-    """Device bytes a parallel wrapper adds to the step."""
+    """Device bytes a parallel wrapper surely adds to the step (a lower bound)."""
 
-    resident: int = 0
-    """Held for the whole step (DDP's gradient buckets)."""
-    in_flight: int = 0
-    """Held while one layer runs (FSDP2's unsharded parameters, gradients and their collective buffers)."""
+    gathered: int = 0
+    """FSDP2's largest block, unsharded: all-gathered for its forward beside the rank's shards."""
+    buckets: int = 0
+    """DDP's gradient buckets, held for the whole step (Note: [DDP gradient buckets])."""
     what: str = ""
     """One phrase naming them with their sizes ("" when none)."""
 
@@ -37,23 +51,7 @@ def _fmt(n: int) -> str:
     return f"{fmt_bytes(n)} ({n} bytes)"
 
 
-def _ddp_buckets(ddp: nn.Module) -> int:
-    # Note: [DDP gradient buckets] torch's Reducer keeps one flat bucket per bucket_cap_mb of trainable
-    # gradients (per dtype) from construction on, and copies each .grad into it for the all-reduce: the
-    # buckets add the trainable gradients' bytes again, unless gradient_as_bucket_view makes .grad a view
-    # of them (then the gradients the profile counts are the buckets). Guarded by
-    # tests/test_adaptive_refusals.py::test_wrapped_budget_between_the_minima_is_refused_at_the_start.
-    if getattr(ddp, "gradient_as_bucket_view", False):
-        return 0
-    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
-    seen: dict[int, int] = {}
-    for name, p in ddp.module.named_parameters():
-        if p.requires_grad and name not in ignored:
-            seen[id(p)] = p.numel() * p.element_size()
-    return sum(seen.values())
-
-
-def _fsdp2_largest_layer(model: nn.Module, fsdp_module: type) -> int:
+def _fsdp2_largest_block(model: nn.Module, fsdp_module: type) -> int:
     largest = 0
     for m in model.modules():
         if not isinstance(m, fsdp_module):
@@ -66,31 +64,48 @@ def _fsdp2_largest_layer(model: nn.Module, fsdp_module: type) -> int:
     return largest
 
 
-def wrapper_memory(model: nn.Module) -> WrapperMemory:
-    """What the parallel wrappers in ``model`` hold on the device; warns once for a wrapper it cannot size."""
+def _ddp_buckets(ddp: nn.Module) -> int:
+    if getattr(ddp, "gradient_as_bucket_view", False):
+        return 0
+    ignored = set(getattr(ddp, "parameters_to_ignore", ()) or ())
+    seen = {id(p): p.numel() * p.element_size() for name, p in ddp.module.named_parameters()
+            if p.requires_grad and name not in ignored}
+    return sum(seen.values())
+
+
+def _ddp_around(model: nn.Module, ddp_type: type) -> list[nn.Module]:
+    """The DDP wrappers inside ``model`` and those wrapping it (applied after the loop)."""
+    inside = [m for m in model.modules() if isinstance(m, ddp_type)]
+    if inside:
+        return inside
+    return [o for o in gc.get_objects() if type(o) is ddp_type and o.module is model]
+
+
+def wrapper_memory(model: nn.Module, *, around: bool = False) -> WrapperMemory:
+    """What the parallel wrappers in ``model`` surely hold; ``around``: DDP wrapping ``model`` counts too."""
     if not torch.distributed.is_available():
-        _warn([type(m).__name__ for m in model.modules() if isinstance(m, nn.DataParallel)])
         return WrapperMemory()
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
 
-    buckets = sum(_ddp_buckets(m) for m in model.modules() if isinstance(m, DistributedDataParallel))
-    # Note: [FSDP2 layer in flight] an estimate, not a count: forward holds the all-gather output and the
-    # unsharded parameters copied out of it; backward the unsharded parameters, their gradients and the
-    # reduce-scatter input. Four times the largest layer's unsharded parameters covered the measured step
-    # (llama-tiny, 2 gloo ranks); three did not. Guarded by the same test as [DDP gradient buckets].
-    in_flight = 4 * _fsdp2_largest_layer(model, FSDPModule)
-    _warn([type(m).__name__ for m in model.modules() if isinstance(m, (nn.DataParallel, FullyShardedDataParallel))])
-    parts = []
-    if buckets:
-        parts.append(f"DDP gradient buckets {_fmt(buckets)}")
-    if in_flight:
-        parts.append(f"FSDP2 unsharded largest layer in flight {_fmt(in_flight)}")
-    return WrapperMemory(resident=buckets, in_flight=in_flight, what=", ".join(parts))
+    gathered = _fsdp2_largest_block(model, FSDPModule)
+    ddps = _ddp_around(model, DistributedDataParallel) if around else \
+        [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
+    buckets = sum(_ddp_buckets(m) for m in ddps)
+    parts = [f"FSDP2 gathered largest block {_fmt(gathered)}"] if gathered else []
+    parts += [f"DDP gradient buckets {_fmt(buckets)}"] if buckets else []
+    return WrapperMemory(gathered=gathered, buckets=buckets, what=", ".join(parts))
 
 
-def _warn(unmodelled: list[str]) -> None:
-    if unmodelled:
-        log.warning("adaptive memory: what %s adds to device memory is not modelled: the budget check covers the "
-                    "wrapped model only, and a budget near its minimum may run out of memory at the first step",
-                    sorted(set(unmodelled))[0])
+def warn_untested(model: nn.Module) -> None:
+    """One warning naming a wrapper in ``model`` the loop is not tested under (DataParallel, FSDP1)."""
+    kinds: tuple[type, ...] = (nn.DataParallel,)
+    if torch.distributed.is_available():
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        kinds += (FullyShardedDataParallel,)
+    untested = [type(m).__name__ for m in model.modules() if isinstance(m, kinds)]
+    if untested:
+        log.warning("adaptive memory: %s is not a layout the loop is tested under (DDP, FSDP2, tensor parallel and "
+                    "pipeline stages are): what it holds on this device is measured at the first step, but its "
+                    "plans are unverified", sorted(set(untested))[0])

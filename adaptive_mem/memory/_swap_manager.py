@@ -40,7 +40,11 @@ log = logging.getLogger(__name__)
 
 
 class SwapExhaustedError(torch.OutOfMemoryError):
-    """Out of device memory with nothing swappable left."""
+    """Out of device memory with nothing swappable left; ``needed``: the bytes missing."""
+
+    def __init__(self, message: str, *, needed: int = 0) -> None:
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass
@@ -140,6 +144,7 @@ class SwapManager:
             self._layer = None
             self._inside = False
             self._live_params = None
+            self._params = parameter_storages(self.model)  # a wrapper applied since (fully_shard) has new ones
             self.engine.begin_forward()
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         pack, unpack = (outer if outer is not None else (None, None))
@@ -194,7 +199,7 @@ class SwapManager:
 
     # ------------------------------------------------------------------ saved-tensor hooks
     def _pack(self, outer_pack: Callable | None, outer_unpack: Callable | None, t: torch.Tensor) -> Any:
-        inner = outer_pack(t) if outer_pack is not None else no_cycle(t)
+        inner = no_cycle(outer_pack(t) if outer_pack is not None else t)  # Note: [pack without a cycle]
         if (not isinstance(inner, torch.Tensor) or isinstance(inner, nn.Parameter) or inner.device != self.device
                 or inner.is_sparse or type(inner) is not torch.Tensor):
             return ("opaque", inner, outer_unpack)
@@ -261,7 +266,7 @@ class SwapManager:
         return SwapExhaustedError(
             f"out of device memory: needed {needed} more bytes, budget {budget if budget is not None else 'unknown'} "
             f"bytes, swappable left {left} bytes ({self.in_flight_bytes(SwapState.HOST)} bytes already on the "
-            f"host); largest unswappable tensor: {what}, {size} bytes")
+            f"host); largest unswappable tensor: {what}, {size} bytes", needed=needed)
 
     # ------------------------------------------------------------------ rescue
     def rescue(self, needed: int) -> bool:

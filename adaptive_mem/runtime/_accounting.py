@@ -130,8 +130,18 @@ class DeviceMemory(TorchDispatchMode):
     # ------------------------------------------------------------------ fault injection
     def inject_fault(self, *, at: int, needed: int) -> None:
         """Make allocation number ``at`` (counted from entry, see :attr:`allocations`) fail once
-        transiently: the ``on_oom`` hooks are asked for ``needed`` bytes, then it succeeds."""
+        transiently: the ``on_oom`` hooks are asked for ``needed`` bytes, then it succeeds. Each call
+        schedules one more fault; one fires per allocation, at the first from its number on that may
+        call the hooks (not inside a rescue, nor in an intra-op parallel region)."""
+        if isinstance(at, bool) or not isinstance(at, int) or at < 1:
+            raise ValueError(f"inject_fault: at={at!r}: expected an allocation number >= 1")
+        if isinstance(needed, bool) or not isinstance(needed, int) or needed < 0:
+            raise ValueError(f"inject_fault: needed={needed!r}: expected bytes >= 0")
         self._counter.inject_fault(at, needed)
+
+    def clear_faults(self) -> None:
+        """Drop the injected faults that have not fired."""
+        self._counter.clear_faults()
 
     @property
     def allocations(self) -> int:

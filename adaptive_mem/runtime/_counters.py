@@ -147,6 +147,9 @@ class CppCounter:
     def inject_fault(self, at: int, needed: int) -> None:
         self.session.inject_fault(at, needed)
 
+    def clear_faults(self) -> None:
+        self.session.clear_faults()
+
     def on_op(self, mem: "DeviceMemory", func: Any, out: Any) -> None:
         pass  # the allocator saw everything already
 
@@ -162,8 +165,7 @@ class DispatchCounter:
         self.cap: int | None = None
         self.allocations = 0
         self.faults = 0
-        self._fault_at = -1
-        self._fault_needed = 0
+        self._scheduled: list[tuple[int, int]] = []  # injected faults (allocation number, bytes), latest first
         self._table = _WeakTable(self._add)
 
     def start(self) -> None:
@@ -176,7 +178,10 @@ class DispatchCounter:
         self.cap = cap
 
     def inject_fault(self, at: int, needed: int) -> None:
-        self._fault_at, self._fault_needed = at, needed
+        self._scheduled = sorted([*self._scheduled, (at, needed)], reverse=True)
+
+    def clear_faults(self) -> None:
+        self._scheduled = []
 
     def register(self, t: torch.Tensor, device: torch.device) -> int:
         st = _storage_of(t, device)
@@ -199,9 +204,9 @@ class DispatchCounter:
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 added += self.register(t, mem.device)
-        if before < self._fault_at <= self.allocations:
+        if self._scheduled and self._scheduled[-1][0] <= self.allocations and self.allocations > before:
             self.faults += 1
-            mem._run_hooks(0, self._fault_needed)
+            mem._run_hooks(0, self._scheduled.pop()[1])
         if added and self.cap is not None and self.live > self.cap:
             self._over_cap(mem, added, func, peak_before)
 

@@ -27,6 +27,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <new>
@@ -45,7 +46,8 @@ constexpr int kOwners = 4;      // sessions one allocation can count in (nested 
 struct Session {
   int64_t id = 0;  // key of the Python object, for the callback
   int64_t live = 0, peak = 0, cap = -1;
-  int64_t allocations = 0, fault_at = -1, fault_needed = 0, faults = 0;
+  int64_t allocations = 0, faults = 0;
+  std::vector<std::pair<int64_t, int64_t>> scheduled;  // injected faults (allocation number, bytes), latest first
   int refs = 1;  // the Python handle + every allocation counted here
   bool counting = false;
   bool dead = false;  // the Python handle is gone: owners may drop it
@@ -177,10 +179,11 @@ void reserve(size_t n, Session** owners) {
   std::vector<std::pair<int64_t, int64_t>> faults;
   for (Session* s : g_counting) {
     ++s->allocations;
-    if (s->fault_at >= 0 && s->allocations >= s->fault_at && t_rescue == 0 && !parallel) {
-      s->fault_at = -1;  // fires once (at the first allocation from ``fault_at`` on that may call Python)
+    // a scheduled fault fires once, at the first allocation from its number on that may call Python
+    if (!s->scheduled.empty() && s->allocations >= s->scheduled.back().first && t_rescue == 0 && !parallel) {
       ++s->faults;
-      faults.emplace_back(s->id, s->fault_needed);
+      faults.emplace_back(s->id, s->scheduled.back().second);
+      s->scheduled.pop_back();
     }
   }
   if (!faults.empty()) {  // injected transient failure: the hooks run, then the allocation succeeds
@@ -425,11 +428,13 @@ class Handle {
   int64_t allocations() { std::lock_guard<std::mutex> lock(g_mu); return s_->allocations; }
   void set_allocations(int64_t v) { std::lock_guard<std::mutex> lock(g_mu); s_->allocations = v; }
   int64_t faults() { std::lock_guard<std::mutex> lock(g_mu); return s_->faults; }
-  void inject_fault(int64_t at, int64_t needed) {
+  void inject_fault(int64_t at, int64_t needed) {  // one more scheduled fault
     std::lock_guard<std::mutex> lock(g_mu);
-    s_->fault_at = at;
-    s_->fault_needed = needed;
+    auto& faults = s_->scheduled;
+    faults.emplace_back(at, needed);
+    std::sort(faults.begin(), faults.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   }
+  void clear_faults() { std::lock_guard<std::mutex> lock(g_mu); s_->scheduled.clear(); }
 
  private:
   void stop_locked() {
@@ -503,5 +508,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("allocations", &Handle::allocations)
       .def("set_allocations", &Handle::set_allocations)
       .def("faults", &Handle::faults)
-      .def("inject_fault", &Handle::inject_fault);
+      .def("inject_fault", &Handle::inject_fault)
+      .def("clear_faults", &Handle::clear_faults);
 }

@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 import torch
 
-from profiler._recorder import local_shard
+from profiler._recorder import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
 from ._host_pool import FileHostPool, HostBuffer, HostPool
@@ -50,16 +50,6 @@ def backs_parameter(storage: torch.UntypedStorage, module: Any) -> bool:
     offload copying one would read freed memory. A storage behind any current parameter of ``module`` is kept
     where it is (tests/test_parallel_exec.py, FSDP2 swap cases)."""
     return storage._cdata in parameter_storages(module)
-
-
-def no_cycle(t: Any) -> Any:
-    """Note: [pack without a cycle]. What a pack hook returns is held by the autograd node that saves it;
-    a tensor that node produced (ops saving their output: exp, softmax, ...) holds that node as its
-    ``grad_fn``, a cycle through C++ that the garbage collector cannot see. Backward frees it; a graph
-    dropped without backward (a step that failed in forward, an evaluation under grad) would leak its
-    activations for good. Saving ``t.detach()`` breaks the cycle: autograd re-attaches the metadata on
-    unpack (tests/test_swap_manager.py ``test_a_failed_forward_leaks_nothing``)."""
-    return t.detach() if isinstance(t, torch.Tensor) and t.grad_fn is not None else t
 
 
 def parameter_storages(module: Any) -> set[int]:
