@@ -16,6 +16,7 @@ from ._compiled import CompileBackendError, apply_compiled, check_backend, measu
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
+from ._paths import module_path
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder, local_shard
 from ._static import static_memory
@@ -296,7 +297,7 @@ def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tu
     for name, param in model.named_parameters(remove_duplicate=False):
         if not param.requires_grad:
             continue
-        path = name.rpartition(".")[0]
+        path = module_path(name.rpartition(".")[0])  # Note: [compile wrapper names]
         while path not in last and path:
             path = path.rpartition(".")[0]
         pos = last.get(path)
