@@ -9,7 +9,7 @@ Two modes, as in the seeds:
 
 ``select_recompute`` given as True/False/counts applies to the default patterns
 (``feed_forward.mul`` and ``feed_forward.w1.activation.silu``; ``.*\\.norm`` for
-``select_comm_recompute``); a list of regexes selects those ops in every layer;
+``select_comm_recompute``); a list of regexes selects those ops in every layer that has them;
 a mapping gives each regex its own value. Regexes select local names as
 :func:`._errors.match_key` says (Note: [key matching]), in each layer that has them (Note: [keys per layer]).
 """

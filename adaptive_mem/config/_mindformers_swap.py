@@ -1,10 +1,11 @@
 """MindFormers ``swap_config``: whole layers and single ops swapped to host, with their prefetch.
 
 ``swap: True`` with ``layer_swap`` and ``op_swap`` both None (absent) is the default
-strategy: the attention core of every layer, prefetch ``default_prefetch``.
+strategy: the attention core of every layer that has one, prefetch ``default_prefetch``.
 Otherwise each ``layer_swap`` / ``op_swap`` entry names ``layers`` (True or a
 list of indices) and a ``backward_prefetch``; for one layer (and one
-``op_name``) the first entry listing it wins.
+``op_name``) the first entry listing it wins. An ``op_name`` applies in the
+layers it names that have what it selects (Note: [keys per layer]).
 """
 
 from __future__ import annotations

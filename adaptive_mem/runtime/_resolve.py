@@ -116,8 +116,9 @@ def _catalogue(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
     return modules, leaves, inner
 
 
-def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
-    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
+def _check_targets(plan: Plan, model: nn.Module, units: Iterable[str] | None) -> list[str]:
+    """Raise :class:`PlanError` for a target that names nothing in ``model``; return the provisional ones (op
+    units of non-leaf modules and collectives, checked against a trace at the first forward)."""
     modules, leaves, inner = _catalogue(model)
     known_units = set(units) if units is not None else None
     provisional: list[str] = []
@@ -137,7 +138,12 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         hint = ", ".join(sample[:6]) + (", ..." if len(sample) > 6 else "")
         raise PlanError(_not_in_its_layer(target, model, known) or f"plan.decisions.{target!r}: no such unit or "
                         f"module in this model; expected a module path or a unit name such as {hint}")
+    return provisional
 
+
+def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
+    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
+    provisional = _check_targets(plan, model, units)
     layers = find_layers(model)
     count = layers.count if layers is not None else 0
     paths = [layers.layer_path(i) for i in range(count)] if layers else []
