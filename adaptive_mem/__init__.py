@@ -6,7 +6,7 @@ from ._model_spec import ModelBundle, ModelSpecError, build_model
 from ._flags import add_arguments, add_memory_arguments, apply_arguments
 from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
 from adaptive_mem.runtime._accounting import DeviceMemory
-from adaptive_mem.runtime._resolve import PlanSummary
+from adaptive_mem.runtime._summary import PlanSummary
 from adaptive_mem.runtime._functions import adapt_mem_func_wrapper, wrap_function
 from ._optimize import OptimizeHandle, optimize
 from adaptive_mem.memory._swap_manager import SwapExhaustedError, SwapManager

@@ -8,6 +8,8 @@ from typing import Sequence
 
 from torch import nn
 
+from ._paths import named_modules
+
 __all__ = ["structure_fingerprint", "input_fingerprint", "model_fingerprint", "split_fingerprint"]
 
 
@@ -16,9 +18,10 @@ def _digest(payload: object) -> str:
 
 
 def structure_fingerprint(model: nn.Module) -> str:
-    """Hash of the module tree: paths, classes, parameter/buffer names, shapes and dtypes."""
+    """Hash of the module tree: paths, classes, parameter/buffer names, shapes and dtypes; blocks compiled by
+    ``torch.compile(block)`` hash as the plain ones (Note: [compile wrapper names])."""
     rows = []
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):
         tensors = [(n, list(t.shape), str(t.dtype)) for n, t in module.named_parameters(recurse=False)]
         tensors += [(n, list(t.shape), str(t.dtype)) for n, t in module.named_buffers(recurse=False) if t is not None]
         rows.append((path, type(module).__name__, tensors))

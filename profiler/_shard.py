@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from ._layout import Layout
+from ._paths import named_modules
 from ._profile import OpRecord, Profile, StaticMemory, UnitRecord
 from ._units import LayerInfo
 
@@ -55,7 +56,7 @@ def parameter_split(model: nn.Module, layers: LayerInfo | None, *, tensor_parall
     """What of ``model``'s parameters tensor parallelism splits (read from its module types)."""
     linears, shardable, seen = set(), 0, set()
     per_layer: dict[int, float] = defaultdict(float)
-    for name, module in model.named_modules():
+    for name, module in named_modules(model):  # Note: [compile wrapper names]
         kind = type(module).__name__
         if kind in _LINEARS:
             linears.add(name)

@@ -18,6 +18,7 @@ from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
 from ._other_memory import MemoryMeter
+from ._paths import module_path
 from ._profile import HardwareSpec, OpRecord, Profile, StaticMemory, UnitRecord
 from ._recorder import OpEvent, Recorder, local_shard
 from ._static import allocated_optimizer_state, static_memory
@@ -338,7 +339,7 @@ def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tu
     for name, param in model.named_parameters(remove_duplicate=False):
         if not param.requires_grad:
             continue
-        path = name.rpartition(".")[0]
+        path = module_path(name.rpartition(".")[0])  # Note: [compile wrapper names]
         while path not in last and path:
             path = path.rpartition(".")[0]
         pos = last.get(path)

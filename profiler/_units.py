@@ -38,6 +38,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ._paths import COMPILE_CHILD, module_path, named_modules
+
 __all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "WRAPPER_REGIONS", "collective_label", "find_layers",
            "op_label", "is_view_op", "function_scope"]
 
@@ -157,7 +159,9 @@ class LayerInfo:
         """``layers.3.attention.wq`` -> ``(3, "attention.wq")``; paths outside the blocks -> ``(None, path)``.
 
         With several stacks the index is global: ``decoder.block.1.layer.0`` -> ``(n_encoder + 1, "layer.0")``.
+        A compiled block's ``_orig_mod`` is no part of a path (Note: [compile wrapper names]).
         """
+        path = module_path(path)
         offset = 0
         for container, n in self.stacks:
             prefix = container + "." if container else ""
@@ -182,10 +186,10 @@ def find_layers(root: nn.Module) -> LayerInfo | None:
     """The repeated blocks of ``root``: the homogeneous ModuleList with the most parameters, and every
     other stack of blocks beside it (Note: [several layer stacks])."""
     candidates: list[tuple[int, int, str, int]] = []  # (parameters, definition order, path, blocks)
-    for order, (path, module) in enumerate(root.named_modules()):
+    for order, (path, module) in enumerate(named_modules(root)):  # Note: [compile wrapper names]
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) == 0:
             continue
-        kinds = {type(child) for child in module}
+        kinds = {type(child._modules.get(COMPILE_CHILD, child)) for child in module}
         if len(kinds) != 1:
             continue
         candidates.append((_param_count(module), order, path, len(module)))
@@ -274,7 +278,7 @@ class UnitNamer:
     """
 
     def __init__(self, root: nn.Module) -> None:
-        self.paths: dict[int, str] = {id(m): p for p, m in root.named_modules()}
+        self.paths: dict[int, str] = {id(m): p for p, m in named_modules(root, wrappers=True)}
         self.leaves: set[int] = {id(m) for m in root.modules() if next(m.children(), None) is None}
         self.labels: dict[int, str] = {id(m): leaf_label(m) for m in root.modules() if id(m) in self.leaves}
         self.layers = find_layers(root)

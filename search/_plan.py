@@ -16,6 +16,8 @@ from typing import Any, Iterable
 
 import yaml
 
+from profiler._paths import COMPILE_CHILD, module_path
+
 from ._yaml import load_document
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
@@ -109,6 +111,22 @@ def matches(target: str, unit: str) -> bool:
     return not target or unit == target or unit.startswith(target + ".")
 
 
+def _module_paths(decisions: dict[str, Decision]) -> dict[str, Decision]:
+    """Targets named as the plain model names its modules: ``layers.0._orig_mod.mlp`` is ``layers.0.mlp``
+    (Note: [compile wrapper names] in ``profiler/_paths.py``)."""
+    if not any(COMPILE_CHILD in target for target in decisions):
+        return decisions
+    out: dict[str, Decision] = {}
+    for target, decision in decisions.items():
+        path = module_path(target)
+        if path in out and out[path] != decision:
+            raise PlanError(f"plan.decisions.{target!r}: names {path!r} (torch.compile's _orig_mod is no part of a "
+                            f"path), which another target decides {out[path].to_dict()}; expected one decision per "
+                            "unit or module")
+        out[path] = decision
+    return out
+
+
 @dataclass
 class Plan:
     decisions: dict[str, Decision] = field(default_factory=dict)
@@ -130,6 +148,9 @@ class Plan:
     group and all-gather them in backward (Megatron ``--distribute-saved-activations``)."""
     version: int = PLAN_VERSION
     """Schema version."""
+
+    def __post_init__(self) -> None:
+        self.decisions = _module_paths(self.decisions)
 
     def decision_for(self, unit: str) -> Decision:
         best: str | None = None

@@ -6,6 +6,8 @@ from typing import Any, Callable
 
 import torch
 
+from profiler._paths import module_path
+
 __all__ = ["compiled_step"]
 
 
@@ -17,6 +19,6 @@ def compiled_step(model: torch.nn.Module, call: Callable[[torch.Tensor], torch.T
         p.grad = None
     loss = torch.nn.functional.cross_entropy(call(ids).flatten(0, 1), labels.flatten())
     loss.backward()
-    grads = {n.replace("_orig_mod.", ""): p.grad.clone() for n, p in model.named_parameters()}
+    grads = {module_path(n): p.grad.clone() for n, p in model.named_parameters()}
     grads["loss"] = loss.detach()
     return grads

@@ -18,7 +18,7 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from adaptive_mem import build_model, optimize
-from search import Plan, PlanError
+from search import Plan
 
 from _compile_common import compiled_step
 
@@ -33,22 +33,22 @@ SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-c
            "mode naming each op by module), which dynamo cannot trace")
 
 
-def _plans(prefix: str) -> dict[str, tuple[dict, list, str | None]]:
-    """name -> (decisions, groups, what the warning names or None when the plan runs compiled); ``prefix``
-    is what stands between ``layers.N.`` and the layer's submodules (``_orig_mod.`` in a torchtitan layer)."""
+def _plans() -> dict[str, tuple[dict, list, str | None]]:
+    """name -> (decisions, groups, what the warning names or None when the plan runs compiled); the targets are
+    the plain model's names, also for a torchtitan layer (Note: [compile wrapper names])."""
     layers = range(LAYERS)
     return {
         "full-recompute": ({"layers": "recompute"}, [], None),
         "recompute-groups": ({"layers": "recompute"}, [[0, 1]], None),
-        "select-recompute": ({f"layers.{i}.{prefix}feed_forward": "recompute" for i in layers}, [], None),
+        "select-recompute": ({f"layers.{i}.feed_forward": "recompute" for i in layers}, [], None),
         "layer-swap": ({"layers": SWAP}, [], "swap"),
-        "op-swap": ({f"layers.{i}.{prefix}attention.flash_attention": SWAP for i in layers}, [], "swap"),
+        "op-swap": ({f"layers.{i}.attention.flash_attention": SWAP for i in layers}, [], "swap"),
     }
 
 
 MODES = ("whole", "block", "titan")
 ORDERS = ("optimize-then-compile", "compile-then-optimize")
-CASES = [(mode, order, name) for mode in MODES for order in ORDERS for name in _plans("")]
+CASES = [(mode, order, name) for mode in MODES for order in ORDERS for name in _plans()]
 
 
 def _compile(model: torch.nn.Module, mode: str) -> torch.nn.Module:
@@ -97,8 +97,7 @@ def _warnings(caplog) -> list[str]:
 def test_plan_runs_compiled_or_warns_once(mode: str, order: str, name: str, caplog):
     ref = _reference(mode)
     model, batch = _fresh()
-    prefix = "_orig_mod." if (mode, order) == ("titan", "compile-then-optimize") else ""
-    decisions, groups, eager = _plans(prefix)[name]
+    decisions, groups, eager = _plans()[name]
     if eager == "swap" and mode != "whole":  # Note: [swap around compiled blocks]: whole layers swap compiled
         eager = None if name == "layer-swap" else "op-level swap"
     plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions, "groups": groups})
@@ -126,12 +125,3 @@ def test_plan_runs_compiled_or_warns_once(mode: str, order: str, name: str, capl
         counters.clear()
         _step(model, call, batch)
         assert _graphs()[0] > 0
-
-
-def test_compiled_wrapper_names_are_refused_loudly():
-    model, _ = _fresh()
-    _compile(model, "titan")
-    plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1,
-                           "decisions": {"layers.0.feed_forward": "recompute"}})
-    with pytest.raises(PlanError, match=r"layers\.0\._orig_mod\."):
-        optimize(model, plan=plan)

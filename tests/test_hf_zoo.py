@@ -1,10 +1,11 @@
-"""The Hugging Face zoo: every plan kind exact on 18 families (tiny random-weight models, 3 layers, width 64).
+"""The Hugging Face zoo: every plan kind exact on 20 families (tiny random-weight models, 3 layers, width 64).
 
 Per family and plan: one training step of the planned model against the same model without a plan (same
 weights, same batch, same seed); loss and every gradient ``torch.equal``. Models keep Hugging Face's
 defaults and ``use_cache=True`` (the layers get a ``Cache`` object, Note: [cache in recompute]). Full
 recompute must also hold no more activation memory at its peak than ``torch.utils.checkpoint``
-(non-reentrant) on every layer, both measured by ``MemTracker``.
+(non-reentrant) on every layer, both measured by ``MemTracker``. The hybrid families (Qwen3-Next, LFM2) mix
+two kinds of layers: their keys apply in the layers that have what they name (Note: [keys per layer]).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import pytest
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from adaptive_mem import build_model, optimize
+from adaptive_mem import ConfigError, build_model, optimize
+from search import PlanError
 
 BATCH, SEQ = 2, 32
 
@@ -29,7 +31,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "gpt2": ("mlp", "attn"), "gpt_neox": ("mlp", "attention"), "opt": ("fc1", "self_attn"),
     "bloom": ("mlp", "self_attention"), "falcon": ("mlp", "self_attention"),
     "bert": ("intermediate", "attention"), "t5": ("DenseReluDense", "SelfAttention"),
+    "qwen3_next": ("mlp", "self_attn"), "lfm2": ("feed_forward", "self_attn"),  # self_attn: layer 1 only
 }
+HYBRID = {"qwen3_next": "linear_attn", "lfm2": "conv"}
+"""The module layers 0 and 2 of a hybrid family have where layer 1 has ``self_attn``."""
 
 
 def _op_swap(attn: str, layers) -> dict:
@@ -160,3 +165,52 @@ def test_moe_expert_units_are_targetable(family: str, how: str, caplog):
         _assert_same(_step(bundle, batch), ref, f"{family} experts")
         assert handle.swap_stats.offloaded_bytes > 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "error-level log records"
+
+
+@pytest.mark.parametrize("family", list(HYBRID))
+def test_hybrid_config_keys_apply_where_they_match(family: str, caplog):
+    """A key applies in the layers that have what it names, says once at INFO which lack it, and the step is
+    exact; a key none of its layers has is refused before anything is applied."""
+    bundle, batch, ref = _reference(family)
+    other = HYBRID[family]
+    config = {"recompute_config": {"select_recompute": {other: True}}, "swap_config": _op_swap("self_attn", True)}
+    with caplog.at_level(logging.INFO), optimize(bundle.model, config=config) as handle:
+        assert {t: d.action.value for t, d in handle.plan.decisions.items()} == {
+            f"model.layers.0.{other}": "recompute", "model.layers.1.self_attn": "swap",
+            f"model.layers.2.{other}": "recompute"}
+        summary = handle.summary()
+        assert (summary.layers_selective, summary.layers_swapping) == (2, 1) and summary.takes_effect, summary
+        _assert_same(_step(bundle, batch), ref, f"{family} hybrid config")
+    infos = [r.getMessage() for r in caplog.records if r.name == "adaptive_mem.config._names"]
+    assert infos == [
+        f"recompute_config.select_recompute.{other}='{other}': applies in layers 0, 2 (with {other}); not in "
+        f"layer 1 (with self_attn), which has no {other}",
+        "swap_config.op_swap[0].op_name='self_attn': applies in layer 1 (with self_attn); not in layers 0, 2 "
+        f"(with {other}), which have no self_attn"]
+    with pytest.raises(ConfigError, match=rf"op_name='self_attn': matches no op of a layer of layers 0, 2 "
+                                          rf"\(with {other}\)"):
+        optimize(bundle.model, config={"swap_config": _op_swap("self_attn", [0, 2])})
+    _assert_same(_step(bundle, batch), ref, f"{family} after a refused config")
+
+
+@pytest.mark.parametrize("family", list(HYBRID))
+def test_hybrid_plan_targets_apply_in_their_layer(family: str):
+    """Plan targets name modules of one layer each: exact where the layer has them, refused naming the layer's
+    kind where it does not (the model is left as it was)."""
+    bundle, batch, ref = _reference(family)
+    other = HYBRID[family]
+    swap = {"action": "swap", "backward_prefetch": 1}
+    decisions = {f"model.layers.0.{other}": "recompute", "model.layers.1.self_attn": swap,
+                 f"model.layers.2.{other}": swap}
+    plan = {"format": "adaptive-mem-plan", "version": 1, "decisions": decisions}
+    with optimize(bundle.model, plan=plan, example_inputs=(batch[0],)) as handle:
+        summary = handle.summary()
+        assert summary.takes_effect and not summary.not_applied, summary
+        assert (summary.layers_selective, summary.layers_swapping) == (1, 2), summary
+        _assert_same(_step(bundle, batch), ref, f"{family} hybrid plan")
+    wrong = {**decisions, f"model.layers.1.{other}": "recompute"}
+    with pytest.raises(PlanError, match=rf"'model.layers.1.{other}': layer 1 \(model.layers.1\) is a layer with "
+                                        rf"self_attn and has no {other} \(layers 0, 2 have it\)"):
+        optimize(bundle.model, plan={**plan, "decisions": wrong})
+    _assert_same(_step(bundle, batch), ref, f"{family} after a refused plan")
+

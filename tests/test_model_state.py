@@ -1,4 +1,4 @@
-"""Planning leaves no state on the user's model (Note: [throw-away clone] in adaptive_mem/config/_names.py).
+"""Planning leaves no state on the user's model (Note: [throw-away clone] in adaptive_mem/config/_clone.py).
 
 For each plan kind, on a plain, a ``torch.compile``d, a DDP-wrapped and an FSDP2-sharded (``fully_shard``
 before ``optimize``) llama-tiny: after ``optimize`` and one training step every parameter and buffer is
@@ -161,7 +161,7 @@ def test_compiled_model_keeps_its_state():
 def test_the_fake_clone_shares_nothing_with_the_model():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from adaptive_mem.config._names import fake_clone
+    from adaptive_mem.config._clone import fake_clone
 
     model = torch.compile(_llama(), backend="aot_eager")
     model._orig_mod.layers[0].forward = model._orig_mod.layers[0].forward  # an instance forward bound to it

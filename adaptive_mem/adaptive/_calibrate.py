@@ -39,19 +39,20 @@ def _step_seconds(bundle: Any, seed: int, device: torch.device) -> float:
     return seconds
 
 
-def _cheapest_unit(profile: Profile) -> str | None:
-    """Local name of the layer-0 unit with saved bytes whose recompute replays the least."""
-    units = [u for u in profile.layer_units(0) if u.saved_bytes > 0 and u.consumers
-             and all(c.startswith(f"{profile.layer_path(0)}.") for c in u.consumers)]
-    return min(units, key=lambda u: u.fwd_time).local_name if units else None
+def _cheapest_unit(profile: Profile, layer: int) -> str | None:
+    """Name of the unit of ``layer`` with saved bytes whose recompute replays the least (each layer its own: the
+    layers of a hybrid stack have different units, Note: [layer kinds])."""
+    units = [u for u in profile.layer_units(layer) if u.saved_bytes > 0 and u.consumers
+             and all(c.startswith(f"{profile.layer_path(layer)}.") for c in u.consumers)]
+    return min(units, key=lambda u: u.fwd_time).name if units else None
 
 
 def _plans(profile: Profile) -> dict[str, Plan]:
     layers = [profile.layer_path(i) for i in range(profile.num_layers)]
     plans = {"swap": Plan(decisions={name: Decision(Action.SWAP, backward_prefetch=1) for name in layers})}
-    unit = _cheapest_unit(profile)
-    if unit is not None:
-        plans["sac"] = Plan(decisions={f"{name}.{unit}": Decision(Action.RECOMPUTE) for name in layers})
+    units = [_cheapest_unit(profile, i) for i in range(profile.num_layers)]
+    if all(u is not None for u in units):
+        plans["sac"] = Plan(decisions={unit: Decision(Action.RECOMPUTE) for unit in units})
     return plans
 
 

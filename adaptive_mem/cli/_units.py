@@ -1,4 +1,5 @@
-"""``adaptive-mem units``: layer 0's unit tree, the local names that config keys and plan targets are written with."""
+"""``adaptive-mem units``: layer 0's unit tree (and that of each other kind of layer, Note: [layer kinds]), the local
+names that config keys and plan targets are written with."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from adaptive_mem._model_spec import FORMS
 from adaptive_mem.config._names import LayerNames, layer_names
 
 NAME = "units"
-HELP = "print layer 0's unit tree (local module paths and units) to write select_recompute / op_swap keys"
+HELP = ("print layer 0's unit tree (local module paths and units; one tree per kind of layer) to write "
+        "select_recompute / op_swap keys")
 
 __all__ = ["NAME", "HELP", "add_arguments", "run", "unit_tree"]
 
@@ -25,8 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "forward time")
 
 
-def _profiled(profile: Profile, names: LayerNames, spec: str) -> dict[str, tuple[int, float]]:
-    """Local name -> (saved bytes, forward seconds) of layer 0's units in ``profile``."""
+def _profiled(profile: Profile, names: LayerNames, spec: str, layer: int) -> dict[str, tuple[int, float]]:
+    """Local name -> (saved bytes, forward seconds) of ``layer``'s units in ``profile``."""
     profiled_spec = profile.model.get("spec")
     if profiled_spec is not None and profiled_spec != spec:
         raise ValueError(f"--profile: a profile of {profiled_spec!r}, not of --model {spec!r}; expected a profile "
@@ -34,16 +36,17 @@ def _profiled(profile: Profile, names: LayerNames, spec: str) -> dict[str, tuple
     if (profile.layer_container or "") != names.container:
         raise ValueError(f"--profile: its layers are {profile.layer_container!r}, this model's {names.container!r}; "
                          "expected a profile of this model")
-    return {u.local_name: (u.saved_bytes, u.fwd_time) for u in profile.units if u.layer == 0}
+    return {u.local_name: (u.saved_bytes, u.fwd_time) for u in profile.units if u.layer == layer}
 
 
-def unit_tree(names: LayerNames, *, profiled: dict[str, tuple[int, float]] | None = None) -> list[str]:
-    """Lines of layer 0's tree: each module path and unit by its local name, indented under its parent module.
+def unit_tree(modules: tuple[str, ...], units_: tuple[str, ...], *,
+              profiled: dict[str, tuple[int, float]] | None = None) -> list[str]:
+    """Lines of a layer's tree: each module path and unit by its local name, indented under its parent module.
 
     Units (marked ``*``) are leaves; with ``profiled``, each unit shows its saved bytes and forward time.
     """
-    units = set(names.units) | set(profiled or ())
-    nodes = list(dict.fromkeys(names.modules + names.units + tuple(profiled or ())))
+    units = set(units_) | set(profiled or ())
+    nodes = list(dict.fromkeys(modules + units_ + tuple(profiled or ())))
     present = set(nodes)
 
     def parent(name: str) -> str:
@@ -79,10 +82,15 @@ def run(args: argparse.Namespace) -> int:
     profile = Profile.load(args.profile) if args.profile is not None else None
     bundle = build_model(args.model, model_args=args.model_args, device="meta")
     names = layer_names(bundle.model)
-    profiled = _profiled(profile, names, args.model) if profile is not None else None
-    print(f"layer 0 of {names.container or '<model>'} ({names.count} layers); names are local to a layer, "
-          "* marks a unit")
-    print("\n".join(unit_tree(names, profiled=profiled)))
+    kinds = list(dict.fromkeys(names.kinds.first)) if names.kinds is not None else [0]
+    for k in kinds:
+        profiled = _profiled(profile, names, args.model, k) if profile is not None else None
+        if k == 0:
+            print(f"layer 0 of {names.container or '<model>'} ({names.count} layers); names are local to a layer, "
+                  "* marks a unit" + (f"; its kind: {names.span(names.kinds.layers(0))}" if len(kinds) > 1 else ""))
+        else:
+            print(f"layer {k} ({names.layer_path(k)}), another kind: {names.span(names.kinds.layers(k))}")
+        print("\n".join(unit_tree(*names.names_of(k), profiled=profiled)))
     print("keys: a regex matched whole (re.fullmatch) against these names, else from their start up to a . or _; "
           "a module path covers every unit below it (docs/plan-format.md, Unit names and keys)")
     return 0

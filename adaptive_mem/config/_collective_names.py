@@ -15,6 +15,7 @@ from typing import Any, Iterator
 
 from torch import nn
 
+from profiler._paths import named_modules
 from profiler._units import COLLECTIVE_LABELS
 
 __all__ = ["is_collective_name", "layout_collectives", "layout_styles"]
@@ -48,7 +49,7 @@ def _gathers(src: Any, dst: Any) -> bool:
 def layout_collectives(layer: nn.Module) -> tuple[str, ...]:
     """Local names of the collectives ``layer``'s layout hooks issue, in module order (``()`` without a layout)."""
     found: list[str] = []
-    for path, module in layer.named_modules():
+    for path, module in named_modules(layer):  # Note: [compile wrapper names]
         prefix = f"{path}." if path else ""
         for qualname, args in layout_styles(module):
             if qualname.endswith("._prepare_input_fn") and len(args) == 2 and _gathers(*args):

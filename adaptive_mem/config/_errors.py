@@ -67,8 +67,10 @@ def nearest_names(key: str, names: Iterable[str], *, n: int = 5) -> list[str]:
     return difflib.get_close_matches(plain, list(dict.fromkeys(names)), n=n, cutoff=0.0)
 
 
-def match_key(pattern: Any, path: str, *, modules: tuple[str, ...], units: tuple[str, ...]) -> tuple[str, ...]:
-    """Local names of a layer that the op key ``pattern`` selects; ConfigError naming the 5 nearest if none.
+def match_key(pattern: Any, path: str, *, modules: tuple[str, ...], units: tuple[str, ...],
+              where: str = "") -> tuple[str, ...]:
+    """Local names of a layer that the op key ``pattern`` selects; ConfigError naming the 5 nearest if none
+    (``where`` says which layers' names were searched, `` of layers 0, 2 (with conv)``).
 
     Note: [key matching] (docs/plan-format.md, "Unit names and keys"; tests/test_units_cli.py):
     ``pattern`` is a regex over local module paths and unit names. It selects every name it matches whole
@@ -81,14 +83,15 @@ def match_key(pattern: Any, path: str, *, modules: tuple[str, ...], units: tuple
     if not isinstance(pattern, str) or not pattern:
         raise ConfigError(f"{path}={fmt(pattern)}: expected a regular expression naming ops of a layer, "
                           f"like {', '.join(units[:3])}")
-    hits, prefix = _match(pattern, path, modules, units)
+    hits, prefix = _match(pattern, path, modules, units, where)
     if prefix:
         log.info("%s=%r matches no local name whole; as a prefix it selects %s", path, pattern, ", ".join(hits))
     return hits
 
 
 @lru_cache(maxsize=512)
-def _match(pattern: str, path: str, modules: tuple[str, ...], units: tuple[str, ...]) -> tuple[tuple[str, ...], bool]:
+def _match(pattern: str, path: str, modules: tuple[str, ...], units: tuple[str, ...],
+           where: str) -> tuple[tuple[str, ...], bool]:
     try:
         whole = re.compile(pattern)
         start = re.compile(f"(?:{pattern})(?=[._]|$)")
@@ -103,7 +106,7 @@ def _match(pattern: str, path: str, modules: tuple[str, ...], units: tuple[str, 
         inner = re.compile(rf"(?:.*\.)?(?:{pattern})")
         hits = [name for name in names if inner.fullmatch(name)]
     if not hits:
-        raise ConfigError(f"{path}={pattern!r}: matches no op of a layer; nearest local names: "
+        raise ConfigError(f"{path}={pattern!r}: matches no op of a layer{where}; nearest local names: "
                           f"{', '.join(nearest_names(pattern, names))}; expected a regular expression matching "
                           f"local unit or module names such as {', '.join(units[:3])} "
                           "(all of them: adaptive-mem units --model SPEC)")

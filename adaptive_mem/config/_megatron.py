@@ -104,7 +104,9 @@ def plan_from_megatron(ns: argparse.Namespace, *, names: LayerNames, num_layers:
                       "recompute_method": s["method"], "recompute_num_layers": s["num_layers"],
                       "layer_stage": [i // per_stage for i in range(n)]})
     full: list[int] = []
-    core = names.attention_core() if s["granularity"] == "selective" else None
+    cores: dict[int, tuple[str, ...]] = {}
+    if s["granularity"] == "selective":  # Note: [keys per layer]: the core attention of each layer that has one
+        cores = names.spread((names.attention_core(),), "--recompute-granularity", list(range(n)), key="selective")
     if s["granularity"] == "full" and s["method"] == "uniform":
         for stage in stages:
             for at in range(0, len(stage), s["num_layers"]):
@@ -125,9 +127,9 @@ def plan_from_megatron(ns: argparse.Namespace, *, names: LayerNames, num_layers:
             group = next((g for g in plan.groups if i in g), None)
             log.info("Set full recompute at layer %d%s", i,
                      f" (checkpoint unit: layers {group[0]}-{group[-1]})" if group else "")
-        elif core is not None and names.in_layer(i, [core]):
-            plan.decisions[f"{lp}.{core}"] = Decision(Action.RECOMPUTE)
-            log.info("Set select recompute at layer %d: %s", i, core)
+        elif i in cores:
+            plan.decisions[f"{lp}.{cores[i][0]}"] = Decision(Action.RECOMPUTE)
+            log.info("Set select recompute at layer %d: %s", i, cores[i][0])
         else:
             log.info("Set no recompute at layer %d", i)
     return plan

@@ -113,7 +113,7 @@ def _apply_layer(plan: Plan, i: int, names: LayerNames, recompute: LayerRecomput
         recomputed.append(lp)
         log.info("Set full recompute at layer %d", i)
     else:
-        select, comm = names.in_layer(i, recompute.select.get(i, [])), names.in_layer(i, recompute.comm.get(i, []))
+        select, comm = recompute.select.get(i, []), recompute.comm.get(i, [])  # Note: [keys per layer]
         recomputed.extend(f"{lp}.{t}" for t in dict.fromkeys(select + comm))
         _log_select(i, select, comm, swap_mode)
     # a target under another recomputed target of this layer adds nothing: keep the plan minimal
@@ -138,7 +138,7 @@ def _apply_layer(plan: Plan, i: int, names: LayerNames, recompute: LayerRecomput
     if ops:
         log.info("Set op_swap at layer %d: %s", i, ", ".join(op.describe() for op in ops))
     for op in ops:
-        for target in names.in_layer(i, op.targets):
+        for target in op.targets:
             full = f"{lp}.{target}"
             if covered(full):
                 log.warning("%s operator in layer %d that is enabled swap do not work! Because it is enabled "

@@ -9,9 +9,9 @@ Two modes, as in the seeds:
 
 ``select_recompute`` given as True/False/counts applies to the default patterns
 (``feed_forward.mul`` and ``feed_forward.w1.activation.silu``; ``.*\\.norm`` for
-``select_comm_recompute``); a list of regexes selects those ops in every layer;
+``select_comm_recompute``); a list of regexes selects those ops in every layer that has them;
 a mapping gives each regex its own value. Regexes select local names as
-:func:`._errors.match_key` says (Note: [key matching]).
+:func:`._errors.match_key` says (Note: [key matching]), in each layer that has them (Note: [keys per layer]).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ._collective_names import is_collective_name
-from ._errors import ConfigError, check_keys, expect_bool, fmt, match_key
+from ._errors import ConfigError, check_keys, expect_bool, fmt
 from ._layers import StageLayout
 from ._names import LayerNames
 
@@ -159,12 +159,14 @@ def parse_recompute(section: Any, *, layout: StageLayout, names: LayerNames, swa
     for table, user, dest, key in ((select, select_user, result.select, "select_recompute"),
                                    (comm, comm_user, result.comm, "select_comm_recompute")):
         for pattern, normal in table.items():
-            layers = [i for i in _layers_of(normal, layout, swap_mode) if i not in result.full]
+            named = _layers_of(normal, layout, swap_mode)
+            layers = [i for i in named if i not in result.full]
             if not layers and pattern not in user:
                 continue
-            targets = match_key(pattern, f"{where}.{key}.{pattern}" if pattern in user else f"{where}.{key}",
-                                modules=names.modules, units=names.units)
+            # Note: [keys per layer]: matched in the layers the key names (full recompute covers some of them)
+            selected = names.select(pattern, f"{where}.{key}.{pattern}" if pattern in user else f"{where}.{key}",
+                                    named)
             for i in layers:
                 ops = dest.setdefault(i, [])
-                ops.extend(t for t in targets if t not in ops)
+                ops.extend(t for t in selected.get(i, ()) if t not in ops)
     return result

@@ -1,10 +1,11 @@
 """MindFormers ``swap_config``: whole layers and single ops swapped to host, with their prefetch.
 
 ``swap: True`` with ``layer_swap`` and ``op_swap`` both None (absent) is the default
-strategy: the attention core of every layer, prefetch ``default_prefetch``.
+strategy: the attention core of every layer that has one, prefetch ``default_prefetch``.
 Otherwise each ``layer_swap`` / ``op_swap`` entry names ``layers`` (True or a
 list of indices) and a ``backward_prefetch``; for one layer (and one
-``op_name``) the first entry listing it wins.
+``op_name``) the first entry listing it wins. An ``op_name`` applies in the
+layers it names that have what it selects (Note: [keys per layer]).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from ._errors import ConfigError, check_keys, expect_bool, expect_int, fmt, match_key
+from ._errors import ConfigError, check_keys, expect_bool, expect_int, fmt
 from ._names import LayerNames
 
 __all__ = ["SWAP_KEYS", "LayerSwap", "OpSwap", "parse_swap"]
@@ -100,11 +101,12 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
         parsed_layers.append((expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch", maximum=MAX_PREFETCH),
                               _layers(entry["layers"], f"{path}.layers", num_layers)))
     groups: dict[str, list[tuple[int, list[int]]]] = {}
-    targets: dict[str, tuple[str, ...]] = {}
+    paths: dict[str, str] = {}
     for i, entry in enumerate(op_entries):
         path = f"{where}.op_swap[{i}]"
         pattern = entry["op_name"]
-        targets.setdefault(pattern, match_key(pattern, f"{path}.op_name", modules=names.modules, units=names.units))
+        names.select(pattern, f"{path}.op_name", ())  # a regex matching some layer's names, else ConfigError
+        paths.setdefault(pattern, f"{path}.op_name")
         prefetch = expect_int(entry["backward_prefetch"], f"{path}.backward_prefetch", maximum=MAX_PREFETCH)
         groups.setdefault(pattern, []).append((prefetch,
                                                _layers(entry["layers"], f"{path}.layers", num_layers)))
@@ -116,11 +118,14 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
     if section.get("layer_swap") is None and section.get("op_swap") is None:  # None, not empty: as MindFormers
         result.default = True
         core = names.attention_core()
-        for i in range(num_layers):
-            result.ops[i] = [OpSwap(core, (core,), default_prefetch)]
+        for i, found in names.spread((core,), f"{where}.swap", list(range(num_layers)), key=True).items():
+            result.ops[i] = [OpSwap(core, found, default_prefetch)]
         return result
     if "default_prefetch" in section:
         log.info("%s.default_prefetch is inactive: layer_swap or op_swap replaces the default strategy", where)
+    # Note: [keys per layer]: an op_name applies in each layer its entries name that has what it selects
+    targets = {pattern: names.select(pattern, paths[pattern], [i for _, layers in entries for i in layers])
+               for pattern, entries in groups.items()}
     for layer in range(num_layers):
         for prefetch, layers in parsed_layers:
             if layer in layers:
@@ -129,7 +134,8 @@ def parse_swap(section: Any, *, names: LayerNames, num_layers: int, where: str =
         for pattern, entries in groups.items():
             for prefetch, layers in entries:
                 if layer in layers:
-                    result.ops.setdefault(layer, []).append(
-                        OpSwap(pattern, targets[pattern], prefetch, lead_dot=r"\." not in pattern))
+                    if layer in targets[pattern]:
+                        result.ops.setdefault(layer, []).append(
+                            OpSwap(pattern, targets[pattern][layer], prefetch, lead_dot=r"\." not in pattern))
                     break
     return result

@@ -1,32 +1,32 @@
-"""Local names inside a model's layers, and config regexes resolved against them.
+"""Local names inside a model's layers, and config keys resolved against them per layer.
 
 A config names ops by their *local* name (the unit or module path with the
 ``<container>.<i>.`` prefix removed): ``feed_forward.w1.activation.silu``,
-``attention``, ``ffn_norm.norm``. Regexes are matched whole (``re.fullmatch``)
-against every local module path and leaf unit name of a layer; a match that
-lies under another match is dropped (the module already covers it).
+``attention``, ``ffn_norm.norm``. Keys select local names as :func:`._errors.match_key` says
+(Note: [key matching]); each layer takes the selected names it has (Note: [keys per layer]).
 """
 
 from __future__ import annotations
 
-import functools
-import re
-import sys
-import types
-from dataclasses import dataclass, replace
+import logging
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Iterable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
+from profiler._kinds import LayerKinds, layer_kinds
+from profiler._paths import named_modules
 from profiler._units import LayerInfo, UnitNamer, find_layers, join, leaf_label
 
+from ._clone import fake_clone
 from ._collective_names import layout_collectives
-from ._errors import ConfigError, fmt
+from ._errors import ConfigError, fmt, match_key
 
-__all__ = ["LayerNames", "clone_module", "fake_clone", "layer_names", "rebind"]
+__all__ = ["LayerNames", "layer_names"]
+
+log = logging.getLogger(__name__)
 
 _ATTENTION_MODULES = ("attention", "self_attn", "attn", "self_attention")
 
@@ -38,42 +38,87 @@ class LayerNames:
     count: int
     """Number of layers."""
     modules: tuple[str, ...]
-    """Local module paths inside a layer, in definition order."""
+    """Local module paths inside a layer, in definition order; with layers of several kinds (Note: [layer kinds])
+    or stacks (Note: [several layer stacks]), those of every kind."""
     units: tuple[str, ...]
-    """Local leaf unit names inside a layer (plus the attention core when it is an op); with several
-    stacks, the names of every stack's first block (Note: [several layer stacks])."""
+    """Local leaf unit names inside a layer (plus its traced op units, the attention core when it is an op and
+    the collectives of a layout); with several kinds, those of every kind."""
     stacks: tuple[tuple[str, int], ...] = ()
     """``(container, blocks)`` per stack when there are several (``encoder.block``, ``decoder.block``);
-    empty for one stack, whose layers all take every resolved name."""
-    present: tuple[frozenset[str], ...] = ()
-    """With several stacks, per layer: the local names that exist in it (module paths, leaf units, the
-    traced op units of its stack whose module it has)."""
+    empty for one stack."""
+    kinds: LayerKinds | None = None
+    """The kind of each layer when there are several; None for one kind, whose layers all take every name."""
+    by_kind: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = field(default_factory=dict)
+    """First layer of a kind -> its ``(modules, units)``, with several kinds."""
 
     def layer_path(self, index: int) -> str:
         if self.stacks:
             return LayerInfo.of(self.stacks).layer_path(index)
         return f"{self.container}.{index}" if self.container else str(index)
 
+    def names_of(self, index: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``(modules, units)`` local to layer ``index``: those of its kind."""
+        if self.kinds is None:
+            return self.modules, self.units
+        return self.by_kind[self.kinds.first[index]]
+
     def in_layer(self, index: int, locals_: list[str] | tuple[str, ...]) -> list[str]:
-        """The local names of ``locals_`` that layer ``index`` has: all of them with one stack; with several,
-        those of its own stack (``layer.2.DenseReluDense`` is a decoder name of T5, not an encoder one)."""
-        if not self.present:
+        """The local names of ``locals_`` that layer ``index`` has (``layer.2.DenseReluDense`` is a name of T5's
+        decoder blocks, ``linear_attn`` of Qwen3-Next's linear-attention layers)."""
+        if self.kinds is None:
             return list(locals_)
-        have = self.present[index]
+        modules, units = self.names_of(index)
+        have = set(modules) | set(units)
         return [t for t in locals_ if t in have]
+
+    def select(self, pattern: object, path: str, layers: Iterable[int]) -> dict[int, tuple[str, ...]]:
+        """The local names the key ``pattern`` selects in each of ``layers`` that has them (Note: [keys per
+        layer]); ConfigError when it selects nothing in any of them (with no layers: in any layer)."""
+        layers = list(dict.fromkeys(layers))
+        modules, units = self._union(layers or range(self.count))
+        where = "" if self.kinds is None or not layers else f" of {self.span(layers)}"
+        hits = match_key(pattern, path, modules=modules, units=units, where=where)
+        return self.spread(hits, path, layers, key=pattern)
+
+    def spread(self, targets: tuple[str, ...], path: str, layers: list[int], *,
+               key: object) -> dict[int, tuple[str, ...]]:
+        """Note: [keys per layer] a key applies in each named layer that has what it selects, and says once,
+        at INFO, which named layers lack it; it is refused (ConfigError) only when none of them has any.
+        One rule for every front-end (MindFormers select_recompute, select_comm_recompute, op_swap, the
+        default swap strategy; Megatron's selective recompute); tests/test_hybrid_layers.py."""
+        out = {i: tuple(self.in_layer(i, targets)) for i in layers}
+        lacking = [i for i in layers if not out[i]]
+        if layers and len(lacking) == len(layers):
+            raise ConfigError(f"{path}={key!r}: selects {', '.join(targets)}, which no layer of "
+                              f"{self.span(layers)} has; expected a key naming ops of those layers")
+        if lacking:
+            log.info("%s=%r: applies in %s; not in %s, which ha%s no %s", path, key,
+                     self.span([i for i in layers if out[i]]), self.span(lacking), "s" if len(lacking) == 1 else "ve",
+                     " or ".join(targets))
+        return {i: t for i, t in out.items() if t}
+
+    def _union(self, layers: Iterable[int]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        if self.kinds is None:
+            return self.modules, self.units
+        firsts = dict.fromkeys(self.kinds.first[i] for i in layers if i < self.count)
+        return (tuple(dict.fromkeys(m for k in firsts for m in self.by_kind[k][0])),
+                tuple(dict.fromkeys(u for k in firsts for u in self.by_kind[k][1])))
+
+    def span(self, layers: list[int]) -> str:
+        """``layers 0, 2 (with conv)``: the layers grouped by kind, each kind described."""
+        if self.kinds is None:
+            return _indices(layers)
+        groups: dict[int, list[int]] = {}
+        for i in layers:
+            groups.setdefault(self.kinds.first[i], []).append(i)
+        return "; ".join(f"{_indices(g)} ({self.kinds.describe(g[0])})" for g in groups.values())
 
     def sample(self, k: int = 6) -> str:
         return ", ".join(self.units[:k])
 
-    def resolve(self, pattern: str, path: str) -> list[str]:
-        """Local targets whose name matches ``pattern`` whole; ConfigError if none do."""
-        if not isinstance(pattern, str) or not pattern:
-            raise ConfigError(f"{path}={fmt(pattern)}: expected a regular expression naming ops of a layer, "
-                              f"like {self.sample(3)}")
-        return list(_resolve(self, pattern, path))
-
     def attention_core(self) -> str:
-        """Local unit of the attention core (Megatron's "core attention", MindFormers' flash_attention)."""
+        """Local unit of the attention core (Megatron's "core attention", MindFormers' flash_attention); with
+        several kinds, that of the first kind with one (:meth:`spread` puts it in the layers that have it)."""
         for unit in self.units:
             if unit.rsplit(".", 1)[-1] == "flash_attention":
                 return unit
@@ -81,22 +126,22 @@ class LayerNames:
                           f"a child named one of {', '.join(_ATTENTION_MODULES)}; its units are {self.sample()}")
 
 
-@lru_cache(maxsize=256)
-def _resolve(names: LayerNames, pattern: str, path: str) -> tuple[str, ...]:
-    try:
-        regex = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"{path}={pattern!r}: not a valid regular expression ({exc})") from None
-    hits = [name for name in dict.fromkeys(names.modules + names.units) if regex.fullmatch(name)]
-    if not hits:
-        raise ConfigError(f"{path}={pattern!r}: matches no op of a layer; expected a regular expression matching "
-                          f"local unit or module names such as {names.sample()}")
-    return tuple(h for h in hits if not any(h.startswith(other + ".") for other in hits if other != h))
+def _indices(layers: list[int], most: int = 12) -> str:
+    """``layer 1``, ``layers 0-3, 6``; a long list cut: ``layers 0, 2, 4, ... (24 layers)``."""
+    runs: list[list[int]] = []
+    for i in sorted(layers):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    parts = [str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs]
+    shown = ", ".join(parts[:most]) + (f", ... ({len(layers)} layers)" if len(parts) > most else "")
+    return ("layer " if len(layers) == 1 else "layers ") + shown
 
 
 def _local_names(layer: nn.Module) -> tuple[tuple[str, ...], tuple[str, ...]]:
     modules, units = [], []
-    for path, module in layer.named_modules():
+    for path, module in named_modules(layer):  # Note: [compile wrapper names]
         if not path:
             continue
         modules.append(path)
@@ -115,137 +160,9 @@ def _guessed_core(modules: tuple[str, ...], units: tuple[str, ...]) -> tuple[str
     return ()
 
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
-               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
-               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
-
-
-class _Through(nn.Module):
-    """Stands in a wrapper (DDP, DataParallel, torch.compile's OptimizedModule) in a clone: runs its one child."""
-
-    def __init__(self, child_name: str, child: nn.Module) -> None:
-        super().__init__()
-        self.add_module(child_name, child)
-        self.child_name = child_name
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._modules[self.child_name](*args, **kwargs)
-
-
-def _wrapped_child(module: nn.Module) -> str | None:
-    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
-        return "module"
-    cls = type(module)
-    if cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo"):
-        return "_orig_mod"
-    return None
-
-
-def _plain_class(module: nn.Module) -> type:
-    """The module's own class: ``fully_shard``'s generated ``FSDP<Class>`` loses its hooks in the clone."""
-    fsdp_module = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
-    cls = type(module)
-    if fsdp_module is None or not isinstance(module, fsdp_module):
-        return cls
-    return next(c for c in cls.__mro__ if not issubclass(c, fsdp_module))
-
-
-def rebind(fn: Any, old: nn.Module, new: nn.Module) -> Callable[..., Any] | None:
-    """``fn`` (a forward) made to run on ``new`` where it ran on ``old``: a method of ``old`` or a
-    ``functools.partial`` over it (accelerate's hooks); None for anything else."""
-    if isinstance(fn, types.MethodType):
-        return fn.__func__.__get__(new) if fn.__self__ is old else None
-    if isinstance(fn, functools.partial):
-        func = rebind(fn.func, old, new) if isinstance(fn.func, (types.MethodType, functools.partial)) else fn.func
-        if func is None or (func is fn.func and not any(a is old for a in fn.args)):
-            return None
-        return functools.partial(func, *(new if a is old else a for a in fn.args), **fn.keywords)
-    return None
-
-
-_LAYOUT_HOOK_MODULES = ("torch.distributed.tensor._api", "torch.distributed.tensor.parallel.style")
-
-
-def _layout_hooks(module: nn.Module, key: str) -> dict[int, Any]:
-    """The forward hooks DTensor's ``distribute_module`` / ``parallelize_module`` styles put on ``module`` (they
-    turn inputs and outputs into DTensors of a layout and close over no module state)."""
-    hooks = module.__dict__.get(key, {})
-    return {k: h for k, h in hooks.items() if getattr(h, "__module__", None) in _LAYOUT_HOOK_MODULES}
-
-
-def clone_module(model: nn.Module, tensor: Callable[[torch.Tensor, bool], torch.Tensor], *,
-                 layout_hooks: bool = False) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """A copy of ``model``'s module tree that shares no tensor, hook or container with it.
-
-    Note: [throw-away clone] every trace of a user's model runs on such a copy (tests/test_model_state.py).
-    Each parameter and buffer becomes ``tensor(t, is_parameter)`` (tied ones stay tied), other tensors held
-    in a module's attributes ``tensor(t, False)``; hooks are dropped (FSDP2's unshard, DDP's and the
-    executor's), ``fully_shard``'s class and state are dropped, DDP/DataParallel/``torch.compile`` wrappers
-    become a plain call of their child under the same name, an instance ``forward`` bound to the module is
-    rebound to the copy (:func:`rebind`) and any other (a wrapper closing over the original: the executor's)
-    is dropped. With ``layout_hooks`` the tensor-parallel layout hooks are kept (:func:`_layout_hooks`): a clone
-    whose DTensor parameters must meet DTensor inputs (Note: [tensor-parallel trace]).
-    Returns the copy and, by ``id`` of each copied module, its original.
-    """
-    memo: dict[int, Any] = {}
-    originals: dict[int, nn.Module] = {}
-
-    def leaf(t: torch.Tensor, is_param: bool) -> torch.Tensor:
-        if id(t) not in memo:
-            memo[id(t)] = tensor(t, is_param)
-        return memo[id(t)]
-
-    def value(v: Any) -> Any:
-        return tree_map(lambda x: leaf(x, False) if isinstance(x, torch.Tensor) else x, v)
-
-    def copy(module: nn.Module) -> nn.Module:
-        if id(module) in memo:
-            return memo[id(module)]
-        child = _wrapped_child(module)
-        if child is not None:
-            new: nn.Module = _Through(child, copy(module._modules[child]))
-        else:
-            new = object.__new__(_plain_class(module))
-            state: dict[str, Any] = {}
-            for key, v in module.__dict__.items():
-                if key in ("_forward_hooks", "_forward_pre_hooks") and layout_hooks:
-                    state[key] = type(v)(_layout_hooks(module, key))
-                elif key in _HOOK_DICTS:
-                    state[key] = type(v)()
-                elif key == "_parameters":
-                    state[key] = type(v)((n, None if p is None else leaf(p, True)) for n, p in v.items())
-                elif key == "_buffers":
-                    state[key] = type(v)((n, None if b is None else leaf(b, False)) for n, b in v.items())
-                elif key == "_modules":
-                    state[key] = type(v)((n, None if m is None else copy(m)) for n, m in v.items())
-                elif key == "_compiled_call_impl":  # module.compile()'s, bound to the original: the clone runs eager
-                    state[key] = None
-                elif key == "forward":
-                    forward = rebind(v, module, new)
-                    if forward is not None:
-                        state[key] = forward
-                elif "composable_api" not in key:  # fully_shard's state
-                    state[key] = value(v)
-            new.__dict__.update(state)
-        memo[id(module)] = new
-        originals[id(new)] = module
-        return new
-
-    return copy(model), originals
-
-
-def fake_clone(model: nn.Module, fake_mode: Any) -> tuple[nn.Module, dict[int, nn.Module]]:
-    """:func:`clone_module` with fake tensors of ``fake_mode`` (full shape, dtype, device, ``requires_grad``)."""
-    def make(t: torch.Tensor, is_param: bool) -> torch.Tensor:
-        with fake_mode:
-            new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
-            return nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
-    return clone_module(model, make)
-
-
-def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], ...]:
-    """Units of the first block of each stack from one fake-tensor forward on token ids (LMs; encoder-decoder
-    models get the same ids as ``decoder_input_ids``); () when the model takes other inputs.
+def _traced_units(model: nn.Module, info: LayerInfo, layers: list[int]) -> dict[int, tuple[str, ...]]:
+    """Units of each of ``layers`` (the first layer of each kind) from one fake-tensor forward on token ids (LMs;
+    encoder-decoder models get the same ids as ``decoder_input_ids``); {} when the model takes other inputs.
 
     Catches op units run by a non-leaf module itself (``feed_forward.w1.matmul``, HF ``self_attn.flash_attention``).
     """
@@ -256,15 +173,15 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
 
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
-        return ()
+        return {}
     param = next(model.parameters(), None)
     fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
     try:
         model, _ = fake_clone(model, fake)  # Note: [throw-away clone]
     except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only
-        return ()
+        return {}
     namer = UnitNamer(model)
-    prefixes = [info.layer_path(info.first(s)) + "." for s in range(len(info.stacks))]
+    prefixes = [info.layer_path(i) + "." for i in layers]
     found: list[dict[str, None]] = [{} for _ in prefixes]
 
     class _Collect(TorchDispatchMode):
@@ -283,7 +200,7 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
         pass
 
     def stop(module, args, output):
-        raise _Stop  # the first block of the last stack is all we need: skip the rest of the forward
+        raise _Stop  # the last layer to name is all we need: skip the rest of the forward
 
     for prefix in prefixes:
         for module in model.get_submodule(prefix[:-1]).modules():
@@ -303,8 +220,8 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
     except _Stop:
         pass
     except Exception:  # noqa: BLE001 - a model that does not take token ids: structural names only
-        return ()
-    return tuple(tuple(f) for f in found)
+        return {}
+    return {i: tuple(f) for i, f in zip(layers, found)}
 
 
 def layer_names(model: nn.Module | None) -> LayerNames:
@@ -317,24 +234,21 @@ def layer_names(model: nn.Module | None) -> LayerNames:
     if info is None or info.count == 0:
         raise ConfigError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of "
                           "identical blocks (the layers a config's layer indices refer to)")
-    traced = _traced_units(model, info)
-    per_stack = []
-    for k in range(len(info.stacks)):
-        modules, units = _local_names(model.get_submodule(info.layer_path(info.first(k))))
+    kinds = layer_kinds(model, info)  # Note: [layer kinds]
+    firsts = list(dict.fromkeys(kinds.first))
+    traced = _traced_units(model, info, firsts)
+    by_kind = {}
+    for k in firsts:
+        layer = model.get_submodule(info.layer_path(k))
+        modules, units = _local_names(layer)
         units = tuple(dict.fromkeys(units + traced[k])) if traced else units + _guessed_core(modules, units)
-        units += layout_collectives(model.get_submodule(info.layer_path(info.first(k))))  # Note: [collective units]
-        per_stack.append((modules, units))
-    if len(per_stack) == 1:
-        return LayerNames(info.container, info.count, *per_stack[0])
-    present = []
-    for i in range(info.count):  # Note: [several layer stacks]
-        modules, leaves = _local_names(model.get_submodule(info.layer_path(i)))
-        own = set(modules) | set(leaves)
-        ops = (u for u in per_stack[info.stack_of(i)][1] if u.rpartition(".")[0] in own or "." not in u)
-        present.append(frozenset(own.union(ops)))
-    modules = tuple(dict.fromkeys(m for stack in per_stack for m in stack[0]))
-    units = tuple(dict.fromkeys(u for stack in per_stack for u in stack[1]))
-    return LayerNames(info.container, info.count, modules, units, stacks=info.stacks, present=tuple(present))
+        by_kind[k] = (modules, units + layout_collectives(layer))  # Note: [collective units]
+    stacks = info.stacks if len(info.stacks) > 1 else ()
+    if len(firsts) == 1:
+        return LayerNames(info.container, info.count, *by_kind[firsts[0]], stacks=stacks)
+    modules = tuple(dict.fromkeys(m for k in firsts for m in by_kind[k][0]))
+    units = tuple(dict.fromkeys(u for k in firsts for u in by_kind[k][1]))
+    return LayerNames(info.container, info.count, modules, units, stacks=stacks, kinds=kinds, by_kind=by_kind)
 
 
 @lru_cache(maxsize=1)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from profiler._paths import named_modules
 from profiler._units import find_layers
 
 from adaptive_mem.runtime._accounting import host_allocations
@@ -87,7 +88,7 @@ class SwapManager:
         self._layer: int | None = None
         self._inside = False
         self._path: list[str] = []
-        self._names = {id(m): n for n, m in model.named_modules()}
+        self._names = {id(m): n for n, m in named_modules(model, wrappers=True)}  # Note: [compile wrapper names]
         self._params = parameter_storages(model)
         self._live_params: set[int] | None = None
         self._pushed: list[bool] = []

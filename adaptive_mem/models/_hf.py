@@ -44,6 +44,12 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "bert": ("BertConfig", dict(_TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
     "t5": ("T5Config", dict(_IDS, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
                             dropout_rate=0.0, decoder_start_token_id=0)),
+    # Hybrid stacks: layers of two kinds in one ModuleList (docs/plan-format.md, "Layers of several kinds").
+    "qwen3_next": ("Qwen3NextConfig", dict(_GQA, head_dim=16, full_attention_interval=2, linear_num_key_heads=2,
+                                           linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                           shared_expert_intermediate_size=64)),
+    "lfm2": ("Lfm2Config", dict(_GQA, full_attn_idxs=[1, 3], block_auto_adjust_ff_dim=False)),
 }
 HF_HEADS: dict[str, str] = {"bert": "BertForMaskedLM", "t5": "T5ForConditionalGeneration"}
 """Model class of the families that are not causal LMs (the rest: ``AutoModelForCausalLM``)."""

@@ -17,8 +17,8 @@ from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
-from adaptive_mem.runtime._resolve import (LayerMode, PlanSummary, Resolution, is_collective_unit, log_plan, resolve_plan,
-                                           summarize)
+from adaptive_mem.runtime._resolve import LayerMode, Resolution, is_collective_unit, log_plan, resolve_plan
+from adaptive_mem.runtime._summary import PlanSummary, summarize
 from adaptive_mem.runtime._spill import as_host_budget
 from adaptive_mem.runtime._swap_engine import SwapStats
 
@@ -150,7 +150,7 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_map
 
-    from adaptive_mem.config._names import fake_clone
+    from adaptive_mem.config._clone import fake_clone
 
     names: dict[str, None] = {}
 

@@ -12,11 +12,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from profiler._paths import is_compile_wrapper
 from profiler._units import find_layers
 
 from adaptive_mem.config._errors import ConfigError, fmt
-
-from ._compiled_swap import is_optimized_module
 
 __all__ = ["CompiledLayers", "compile_blocks", "compile_options"]
 
@@ -65,7 +64,7 @@ def compile_options(value: Any, *, key: str = "compile") -> dict[str, Any] | Non
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return is_optimized_module(module) or getattr(module, "_compiled_call_impl", None) is not None
+    return is_compile_wrapper(module) or getattr(module, "_compiled_call_impl", None) is not None
 
 
 class CompiledLayers:

@@ -31,20 +31,16 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
+from profiler._paths import is_compile_wrapper
 from search._plan import Action
 
 from ._resolve import LayerMode, decide
 
-__all__ = ["CompiledBlocks", "is_optimized_module"]
+__all__ = ["CompiledBlocks"]
 
 log = logging.getLogger(__name__)
 
 _MARK = "_adaptive_mem_block"
-
-
-def is_optimized_module(module: nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo")
 
 
 class CompiledBlocks:
@@ -86,7 +82,7 @@ class CompiledBlocks:
         ex = self.ex
         current = ex.model.get_submodule(ex.res.layers.layer_path(i))
         for module in (current, ex.layers[i]):
-            if is_optimized_module(module):
+            if is_compile_wrapper(module):
                 return module, "forward"
         for module in (ex.layers[i], current):
             if getattr(module, "_compiled_call_impl", None) is not None:

@@ -44,6 +44,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from profiler._paths import is_compile_wrapper
 from profiler._units import UnitNamer
 from search._plan import Action, Plan, matches
 
@@ -67,9 +68,7 @@ _SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-
 
 def _is_compiled(module: nn.Module) -> bool:
     """``module.compile()``d, or torch.compile's ``OptimizedModule`` wrapper."""
-    cls = type(module)
-    return getattr(module, "_compiled_call_impl", None) is not None or (
-        cls.__name__ == "OptimizedModule" and cls.__module__.startswith("torch._dynamo"))
+    return getattr(module, "_compiled_call_impl", None) is not None or is_compile_wrapper(module)
 
 
 def _in_optimized_module() -> bool:

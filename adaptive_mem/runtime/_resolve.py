@@ -15,16 +15,15 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from profiler._profile import Profile, ProfileError
+from profiler._kinds import layer_kinds
+from profiler._paths import named_modules
 from profiler._units import COLLECTIVE_LABELS, LayerInfo, find_layers, join, leaf_label
-from search._model import StepModel
 from search._plan import Action, Decision, Plan, PlanError, matches
-from search._simulator import Assignment, segments
 
 from adaptive_mem.runtime._functions import function_labels
 
 __all__ = ["LayerMode", "Resolution", "resolve_plan", "decide", "is_collective_unit", "kept_collectives", "log_plan",
-           "OUTSIDE_BEFORE", "PlanSummary", "summarize"]
+           "OUTSIDE_BEFORE"]
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +105,7 @@ def _is_op_label(label: str) -> bool:
 def _catalogue(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
     """Module paths, leaf unit names, non-leaf module paths (their op units need a trace)."""
     modules, leaves, inner = set(), set(), set()
-    for path, module in model.named_modules():
+    for path, module in named_modules(model):  # Note: [compile wrapper names]
         if not path:
             continue
         modules.add(path)
@@ -117,8 +116,9 @@ def _catalogue(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
     return modules, leaves, inner
 
 
-def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
-    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
+def _check_targets(plan: Plan, model: nn.Module, units: Iterable[str] | None) -> list[str]:
+    """Raise :class:`PlanError` for a target that names nothing in ``model``; return the provisional ones (op
+    units of non-leaf modules and collectives, checked against a trace at the first forward)."""
     modules, leaves, inner = _catalogue(model)
     known_units = set(units) if units is not None else None
     provisional: list[str] = []
@@ -133,11 +133,17 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
                 _is_op_label(label) or re.sub(r"_\d+$", "", label) in function_labels()):
             provisional.append(target)
             continue
+        known = modules | leaves | (known_units or set())
         sample = sorted(u for u in (known_units or leaves))
         hint = ", ".join(sample[:6]) + (", ..." if len(sample) > 6 else "")
-        raise PlanError(f"plan.decisions.{target!r}: no such unit or module in this model; expected a module path "
-                        f"or a unit name such as {hint}")
+        raise PlanError(_not_in_its_layer(target, model, known) or f"plan.decisions.{target!r}: no such unit or "
+                        f"module in this model; expected a module path or a unit name such as {hint}")
+    return provisional
 
+
+def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
+    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
+    provisional = _check_targets(plan, model, units)
     layers = find_layers(model)
     count = layers.count if layers is not None else 0
     paths = [layers.layer_path(i) for i in range(count)] if layers else []
@@ -214,6 +220,32 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
                       provisional=provisional, input_swaps=input_swaps)
 
 
+def _not_in_its_layer(target: str, model: nn.Module, known: set[str]) -> str | None:
+    """Note: [layer kinds]: the refusal of a target naming a module (or a unit below one) that other layers have but
+    not its own (``model.layers.1.linear_attn`` on a full-attention layer of Qwen3-Next), naming the layer's kind
+    and what it has instead; None when no other layer has it either."""
+    layers = find_layers(model)
+    index, local = layers.split(target) if layers is not None else (None, "")
+    if index is None or not local:
+        return None
+    parts = local.split(".")
+    for k in range(1, len(parts) + 1):
+        name = ".".join(parts[:k])
+        if f"{layers.layer_path(index)}.{name}" in known:
+            continue
+        elsewhere = [j for j in range(layers.count) if f"{layers.layer_path(j)}.{name}" in known]
+        if not elsewhere:
+            return None
+        kinds = layer_kinds(model, layers)
+        have = [m for m in kinds.modules[index] if "." not in m]
+        shown = ", ".join(map(str, elsewhere[:8])) + (", ..." if len(elsewhere) > 8 else "")
+        return (f"plan.decisions.{target!r}: layer {index} ({layers.layer_path(index)}) is a layer "
+                f"{kinds.describe(index)} and has no {name} (layer{'s' if len(elsewhere) > 1 else ''} {shown} "
+                f"{'have' if len(elsewhere) > 1 else 'has'} it); expected a module or unit of layer {index}: "
+                f"{', '.join(have)}")
+    return None
+
+
 def log_plan(plan: Plan, res: Resolution) -> None:
     """The per-layer lines of the MindFormers logs."""
     if res.layers is None:
@@ -232,148 +264,3 @@ def log_plan(plan: Plan, res: Resolution) -> None:
             log.info("Set select recompute at layer %d: %s", i, ", ".join(rec))
         if swp:
             log.info("Set op_swap at layer %d: %s", i, ", ".join(swp))
-
-
-@dataclass(frozen=True)
-class PlanSummary:
-    """What ``optimize`` applied (``OptimizeHandle.summary()``); ``str()`` is the one INFO line it logs."""
-
-    requested: bool
-    """The plan decides recompute or swap for some target."""
-    layers_recomputed: int
-    """Layers recomputed as a whole (checkpointed)."""
-    layers_selective: int
-    """Layers with some units recomputed (selective checkpoint)."""
-    layers_swapping: int
-    """Layers that swap some saved tensors and recompute nothing."""
-    units_kept: int | None = None
-    units_recomputed: int | None = None
-    units_swapped: int | None = None
-    """Units of the step by the action that takes effect (coupling rules applied where a profile
-    gives consumers); None when the units are unknown (neither ``profile`` nor ``example_inputs``)."""
-    saved_bytes: int | None = None
-    """Planned device bytes of saved activations the plan frees (the simulator's rules); None without a profile."""
-    activation_bytes: int | None = None
-    """Saved activation bytes the step holds without a plan; None without a profile."""
-    not_applied: tuple[tuple[str, str], ...] = ()
-    """``(target, why it takes no effect)`` for each recompute/swap target that changes nothing."""
-
-    @property
-    def takes_effect(self) -> bool:
-        """Some recompute or swap takes effect (and, with a profile, frees device bytes)."""
-        if not self.requested:
-            return False
-        if self.units_recomputed is not None and self.units_recomputed + (self.units_swapped or 0) == 0:
-            return False
-        return self.saved_bytes is None or self.saved_bytes > 0
-
-    def causes(self) -> str:
-        """Why nothing takes effect, for the warning."""
-        if self.not_applied:
-            return "; ".join(f"{target} ({why})" for target, why in self.not_applied)
-        return f"the recomputed/swapped units free no saved bytes (planned saving {self.saved_bytes} bytes)"
-
-    def __str__(self) -> str:
-        if not self.requested:
-            return "optimize: nothing to recompute or swap (the plan keeps every unit); nothing saved"
-        parts = [f"{self.layers_recomputed} layers recomputed, {self.layers_selective} selectively recomputed, "
-                 f"{self.layers_swapping} swapping"]
-        if self.units_kept is None:
-            parts.append("units not counted without a profile or example_inputs")
-        else:
-            parts.append(f"units: {self.units_recomputed} recomputed, {self.units_swapped} swapped, "
-                         f"{self.units_kept} kept")
-        if not self.takes_effect:
-            parts.append("nothing saved")
-        elif self.saved_bytes is None:
-            parts.append("bytes unknown without a profile")
-        else:
-            parts.append(f"planned saving {_size(self.saved_bytes)} of {_size(self.activation_bytes or 0)} activations")
-        if self.not_applied:
-            parts.append("not applied: " + ", ".join(f"{t} ({why})" for t, why in self.not_applied))
-        return "optimize: " + "; ".join(parts)
-
-
-def _size(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the value at 1 or more (``44.0 KiB``, ``1.2 MiB``)."""
-    value, unit = float(n), "bytes"
-    for bigger in ("KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, bigger
-    return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
-
-
-def _prefixes(unit: str) -> list[str]:
-    """The targets that can cover ``unit``, longest first (``a.b.c``, ``a.b``, ``a``, ``""``)."""
-    parts = unit.split(".")
-    return [".".join(parts[:k]) for k in range(len(parts), -1, -1)]
-
-
-def summarize(plan: Plan, res: Resolution, *, units: Iterable[str] | None = None,
-              profile: Profile | None = None) -> PlanSummary:
-    """What ``plan`` changes on the step whose units are ``units`` (``profile``'s when given)."""
-    requested = any(d.action is not Action.KEEP for d in plan.decisions.values())
-    counts = dict(requested=requested, layers_recomputed=res.modes.count(LayerMode.WHOLE),
-                  layers_selective=res.modes.count(LayerMode.SAC), layers_swapping=res.modes.count(LayerMode.SWAP))
-    if units is None:
-        return PlanSummary(**counts)
-    names = [u.name for u in profile.units] if profile is not None else list(units)
-    owners = [next((t for t in _prefixes(u) if t in plan.decisions), None) for u in names]
-    actions = [plan.decisions[t].action if t is not None else Action.KEEP for t in owners]
-    dropped: dict[int, str] = {}
-    if profile is not None:  # the coupling rule: a swap is dropped for a unit a recomputed unit reads
-        index = {n: i for i, n in enumerate(names)}
-        grouped = {i for g in res.groups for i in g}
-        for i, rec in enumerate(profile.units):
-            if actions[i] is Action.SWAP:
-                for c in rec.consumers:
-                    j = index.get(c)
-                    if j is not None and (actions[j] is Action.RECOMPUTE or profile.units[j].layer in grouped):
-                        dropped[i] = c
-                        break
-        for i in dropped:
-            actions[i] = Action.KEEP
-    not_applied = _not_applied(plan, names, owners, actions, dropped, profile)
-    saved = activations = None
-    if profile is not None:
-        try:
-            model = StepModel.build(profile)
-        except ProfileError:
-            model = None
-        if model is not None and len(model.units) == len(actions):
-            ones = tuple(1 for _ in actions)
-            groups = tuple((g[0] + 1, g[-1] + 1) for g in res.groups)
-            held = sum(s.held for s in segments(model, Assignment(tuple(actions), ones, groups)))
-            activations = sum(s.held for s in segments(model, Assignment((Action.KEEP,) * len(actions), ones)))
-            saved = activations - held
-    return PlanSummary(**counts, units_kept=actions.count(Action.KEEP),
-                       units_recomputed=actions.count(Action.RECOMPUTE), units_swapped=actions.count(Action.SWAP),
-                       saved_bytes=saved, activation_bytes=activations, not_applied=tuple(not_applied))
-
-
-def _not_applied(plan: Plan, names: list[str], owners: list[str | None], actions: list[Action],
-                 dropped: dict[int, str], profile: Profile | None) -> list[tuple[str, str]]:
-    step = "profiled" if profile is not None else "traced"
-    covered: dict[str, int] = {}
-    for u in names:
-        for t in _prefixes(u):
-            if t in plan.decisions:
-                covered[t] = covered.get(t, 0) + 1
-    out: list[tuple[str, str]] = []
-    for target, decision in plan.decisions.items():
-        if decision.action is Action.KEEP:
-            continue
-        owned = [i for i, t in enumerate(owners) if t == target]
-        effective = [i for i in owned if actions[i] is decision.action]
-        if not covered.get(target):
-            out.append((target, f"covers no unit of the {step} step: the module runs no ops"))
-        elif not owned:
-            out.append((target, "every unit under it is decided by a longer target"))
-        elif not effective:
-            first = next(i for i in owned if i in dropped)
-            out.append((target, f"swap dropped: its output is consumed by recomputed {dropped[first]}"))
-        elif profile is not None and not sum(profile.units[i].saved_bytes for i in effective):
-            what = "nothing to swap" if decision.action is Action.SWAP else "recomputing frees nothing"
-            out.append((target, f"its units save no bytes for backward: {what}"))
-    return out

@@ -136,7 +136,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
     ranks stay in step (tests/test_parallel_exec.py)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from adaptive_mem.config._names import clone_module, fake_clone, rebind
+    from adaptive_mem.config._clone import clone_module, fake_clone, rebind
 
     namer = counter.namer
     saved: set[int] = set()
