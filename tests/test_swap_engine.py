@@ -95,6 +95,52 @@ def test_dropped_record_releases_device_memory_and_host_buffer_at_once():
     engine.close()
 
 
+def test_a_storage_saved_again_after_its_first_save_died_is_swapped_again():
+    """Note: [dead record]: the first save's handle dies in forward (topk's node freed with its values), the
+    storage lives on and is saved again: a new record copies it, and the unpack is exact."""
+    engine = _engine()
+    engine.begin_forward()
+    indices = torch.arange(64, dtype=torch.int64).reshape(32, 2)
+    first = engine.offload(indices, label="router", layer=0, prefetch=1)
+    del first
+    gc.collect()
+    again = engine.offload(indices, label="router", layer=0, prefetch=1)
+    engine.end_forward()
+    engine.on_backward(1)
+    assert torch.equal(again.unpack(), torch.arange(64, dtype=torch.int64).reshape(32, 2))
+    assert engine.pool.in_use_bytes == 0
+    engine.close()
+
+
+def test_router_indices_saved_after_their_topk_node_died_swap_exactly():
+    """Note: [dead record] in a layer swap: a router that keeps only topk's indices (its values, and with
+    them topk's node, die at once) and gathers with them, as DeepSeek-V3's router does."""
+
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.proj(x).sigmoid()
+            picked = torch.topk(scores, k=2, dim=-1)[1]
+            return x * scores.gather(-1, picked).sum(-1, keepdim=True)
+
+    from adaptive_mem import optimize
+
+    model = torch.nn.Sequential(*(Router() for _ in range(3)))
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    plan = {"format": "adaptive-mem-plan", "version": 1, "decisions": {
+        str(i): {"action": "swap", "backward_prefetch": 1} for i in range(3)}}
+    with optimize(model, plan=plan) as handle:
+        model(x).sum().backward()
+        assert handle.swap_stats.offloaded_bytes > 0
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+
+
 def test_host_pool_is_reused_across_steps():
     engine = _engine()
     sizes = []

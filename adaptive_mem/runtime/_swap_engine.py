@@ -10,6 +10,11 @@ layers ahead) or on demand at unpack; unpack blocks only if the reload is
 late. Host buffers return to the pool as soon as their bytes are back on the
 device, so nothing leaks across steps.
 
+Note: [dead record]. A record serves the saves of its storage until its last handle dies, then drops
+its copy and host buffer for good; a later save of the storage in the same forward gets a new record
+(a router's ``topk`` saves its indices and dies with its unused values, then ``gather`` saves the
+same indices). A dead record takes no handle (tests/test_swap_engine.py, ``..._saved_again_...``).
+
 Note: [budget-aware prefetch]. With a ``headroom`` callback (the executor sets
 one that reads the active ``DeviceMemory`` cap; the adaptive loop its own) a scheduled prefetch is issued only when it fits in the free device
 bytes minus ``prefetch_reserve``; otherwise it is retried at the next layer's
@@ -108,6 +113,7 @@ class _Record:
         self.error: str | None = None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
+        self.dead = False  # the last handle died: copies cancelled or done, host buffer released
         self.lock = threading.RLock()
 
     def offload(self) -> None:
@@ -202,6 +208,13 @@ class _Record:
                 self._release_host()
         return self.dst.untyped_storage()
 
+    def add_handle(self) -> None:
+        """One more save of the storage (or a view of it) refers to this record (Note: [dead record])."""
+        if self.dead:
+            raise RuntimeError(f"swap of {self.label}: a saved tensor attached to a record whose handles all died "
+                               "(its host copy is released); expected a new record for the storage")
+        self.handles += 1
+
     def drop_handle(self) -> None:
         """The last handle died (backward ran, or the graph was dropped).
 
@@ -213,6 +226,7 @@ class _Record:
         self.handles -= 1
         if self.handles:
             return
+        self.dead = True  # Note: [dead record]
         self.dst = None
         if self.h2d is not None:
             with self.lock:
@@ -241,7 +255,7 @@ class Packed:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
-        record.handles += 1
+        record.add_handle()
 
     def unpack(self) -> torch.Tensor:
         storage = self.record.storage()
@@ -307,7 +321,7 @@ class SwapEngine:
         st = t.untyped_storage()
         key = st._cdata
         known = self._by_storage.get(key)
-        if known is not None and known[0]() is not None:
+        if known is not None and known[0]() is not None and not known[1].dead:  # Note: [dead record]
             return Packed(known[1], t, dtensor)  # Note: [swap by storage]: saved twice or another view
         record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
