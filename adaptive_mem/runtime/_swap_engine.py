@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from profiler import machinery_scope
 from profiler._recorder import local_shard
 
 from ._copier import Copy, make_copier
@@ -257,6 +258,7 @@ class Packed:
         self.offset = t.storage_offset()
         record.add_handle()
 
+    @machinery_scope()  # Note: [machinery ops]: its ops are no units of the model
     def unpack(self) -> torch.Tensor:
         storage = self.record.storage()
         out = torch.empty(0, dtype=self.dtype, device=self.record.device)
@@ -311,6 +313,7 @@ class SwapEngine:
     def end_forward(self) -> None:
         self._by_storage.clear()
 
+    @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
         """Start copying ``t``'s storage to the host; returns the handle autograd keeps.
 
@@ -332,6 +335,7 @@ class SwapEngine:
         return Packed(record, t, dtensor)
 
     # ------------------------------------------------------------------ backward
+    @machinery_scope()  # Note: [machinery ops]
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
         and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
