@@ -243,8 +243,28 @@ def fake_clone(model: nn.Module, fake_mode: Any) -> tuple[nn.Module, dict[int, n
     return clone_module(model, make)
 
 
-def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], ...]:
-    """Units of the first block of each stack from one fake-tensor forward on token ids (LMs; encoder-decoder
+def _structure(block: nn.Module) -> tuple[tuple[str, str], ...]:
+    return tuple((path, type(m).__name__) for path, m in block.named_modules())
+
+
+def _representatives(model: nn.Module, info: LayerInfo) -> list[int]:
+    """Note: [blocks of two kinds] the global index of each block that differs in structure from every earlier
+    block of its stack: the first block of each stack, and e.g. DeepSeek-V3's first MoE layer after its dense
+    ones (``first_k_dense_replace``). Keys are matched against the names of all of them, and a layer takes the
+    names its own kind of block has (tests/test_hf_zoo.py, expert plans on ``deepseek_v3``)."""
+    reps: list[int] = []
+    for s in range(len(info.stacks)):
+        seen: set[tuple] = set()
+        for i in range(info.first(s), info.first(s) + info.stacks[s][1]):
+            kind = _structure(model.get_submodule(info.layer_path(i)))
+            if kind not in seen:
+                seen.add(kind)
+                reps.append(i)
+    return reps
+
+
+def _traced_units(model: nn.Module, info: LayerInfo, reps: list[int]) -> tuple[tuple[str, ...], ...]:
+    """Units of the blocks ``reps`` from one fake-tensor forward on token ids (LMs; encoder-decoder
     models get the same ids as ``decoder_input_ids``); () when the model takes other inputs.
 
     Catches op units run by a non-leaf module itself (``feed_forward.w1.matmul``, HF ``self_attn.flash_attention``).
@@ -264,7 +284,7 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
     except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only
         return ()
     namer = UnitNamer(model)
-    prefixes = [info.layer_path(info.first(s)) + "." for s in range(len(info.stacks))]
+    prefixes = [info.layer_path(i) + "." for i in reps]
     found: list[dict[str, None]] = [{} for _ in prefixes]
 
     class _Collect(TorchDispatchMode):
@@ -283,7 +303,7 @@ def _traced_units(model: nn.Module, info: LayerInfo) -> tuple[tuple[str, ...], .
         pass
 
     def stop(module, args, output):
-        raise _Stop  # the first block of the last stack is all we need: skip the rest of the forward
+        raise _Stop  # the last block of ``reps`` is all we need: skip the rest of the forward
 
     for prefix in prefixes:
         for module in model.get_submodule(prefix[:-1]).modules():
@@ -317,24 +337,29 @@ def layer_names(model: nn.Module | None) -> LayerNames:
     if info is None or info.count == 0:
         raise ConfigError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of "
                           "identical blocks (the layers a config's layer indices refer to)")
-    traced = _traced_units(model, info)
-    per_stack = []
-    for k in range(len(info.stacks)):
-        modules, units = _local_names(model.get_submodule(info.layer_path(info.first(k))))
+    reps = _representatives(model, info)  # Note: [blocks of two kinds]
+    traced = _traced_units(model, info, reps)
+    per_kind: dict[tuple, tuple[tuple[str, ...], tuple[str, ...]]] = {}
+    for k, i in enumerate(reps):
+        block = model.get_submodule(info.layer_path(i))
+        modules, units = _local_names(block)
         units = tuple(dict.fromkeys(units + traced[k])) if traced else units + _guessed_core(modules, units)
-        units += layout_collectives(model.get_submodule(info.layer_path(info.first(k))))  # Note: [collective units]
-        per_stack.append((modules, units))
-    if len(per_stack) == 1:
-        return LayerNames(info.container, info.count, *per_stack[0])
+        units += layout_collectives(block)  # Note: [collective units]
+        per_kind[info.stack_of(i), _structure(block)] = (modules, units)
+    if len(per_kind) == 1:
+        return LayerNames(info.container, info.count, *next(iter(per_kind.values())))
     present = []
     for i in range(info.count):  # Note: [several layer stacks]
-        modules, leaves = _local_names(model.get_submodule(info.layer_path(i)))
+        block = model.get_submodule(info.layer_path(i))
+        modules, leaves = _local_names(block)
         own = set(modules) | set(leaves)
-        ops = (u for u in per_stack[info.stack_of(i)][1] if u.rpartition(".")[0] in own or "." not in u)
+        kind = per_kind[info.stack_of(i), _structure(block)][1]
+        ops = (u for u in kind if u.rpartition(".")[0] in own or "." not in u)
         present.append(frozenset(own.union(ops)))
-    modules = tuple(dict.fromkeys(m for stack in per_stack for m in stack[0]))
-    units = tuple(dict.fromkeys(u for stack in per_stack for u in stack[1]))
-    return LayerNames(info.container, info.count, modules, units, stacks=info.stacks, present=tuple(present))
+    modules = tuple(dict.fromkeys(m for kind in per_kind.values() for m in kind[0]))
+    units = tuple(dict.fromkeys(u for kind in per_kind.values() for u in kind[1]))
+    stacks = info.stacks if len(info.stacks) > 1 else ()
+    return LayerNames(info.container, info.count, modules, units, stacks=stacks, present=tuple(present))
 
 
 @lru_cache(maxsize=1)
