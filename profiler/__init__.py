@@ -11,7 +11,7 @@ from ._profile import (
     StaticMemory,
     UnitRecord,
 )
-from ._units import LayerInfo, UnitNamer, find_layers, is_view_op, op_label
+from ._units import LayerInfo, UnitNamer, find_layers, is_view_op, machinery_scope, op_label
 from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, measure_device, measure_disk, measure_link
 from ._recorder import OpEvent, Recorder
 from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_outputs
@@ -69,5 +69,6 @@ __all__ = [
     "split_fingerprint",
     "structure_fingerprint",
     "is_view_op",
+    "machinery_scope",
     "op_label",
 ]

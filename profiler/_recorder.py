@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ._cost import estimate_seconds, op_bytes, op_flops
 from ._other_memory import MemoryMeter, OtherMemory
 from ._profile import HardwareSpec
-from ._units import UnitNamer, is_view_op
+from ._units import UnitNamer, in_machinery, is_view_op
 
 __all__ = ["OpEvent", "Recorder", "local_shard", "no_cycle", "storage_key"]
 
@@ -249,6 +249,8 @@ class Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if in_machinery():  # Note: [machinery ops]: not the model's, neither named nor timed nor counted
+            return func(*args, **kwargs)
         if self.phase == "forward":
             return self._forward_op(func, args, kwargs)
         if self.phase == "backward":

@@ -17,6 +17,19 @@ Naming rules (see ``docs/profile-format.md``):
 4. The ops of a custom autograd Function called through ``adaptive_mem.wrap_function`` are one
    unit ``<path>.<Function label>`` (its ``unit_label`` attribute, else its class name), numbered
    like rule 2, whatever module it runs in (:func:`function_scope`).
+5. Ops run by the profiler's or the executor's own machinery create no unit and count for no
+   suffix (:func:`machinery_scope`, Note: [machinery ops]).
+6. Ops a parallel wrapper runs in regions of its own (FSDP2's all-gathers and copy-outs), and the
+   ``record_function`` markers of any region, create no unit and count for no suffix (Note: [wrapper ops]).
+
+Note: [machinery ops]. A plan is searched on the profiler's names and applied by the executor's, so
+both passes must count the same ops. The executor's saved-tensor hooks and swap engine run aten ops
+of their own in the middle of a module call (a host buffer ``empty``, a ``set_`` onto the saved
+storage, an inline ``copy_`` on an accelerator stream) that the profiler's pass never runs; counted,
+they would shift the suffix of every later op of that label in the module call (``empty`` -> the
+executor's ``empty_2``), so a plan would decide another op than the one profiled. Machinery runs
+inside :func:`machinery_scope`, and the namer, and the recorder, skip what runs there (guarded by
+tests/test_units.py ``test_swap_machinery_ops_are_no_units``).
 
 Repeated blocks (the children of the largest homogeneous ``ModuleList``) get a
 layer index; a unit's *local name* is its name with the ``<container>.<i>.``
@@ -41,7 +54,7 @@ from torch import nn
 from ._paths import COMPILE_CHILD, module_path, named_modules
 
 __all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "WRAPPER_REGIONS", "collective_label", "find_layers",
-           "op_label", "is_view_op", "function_scope"]
+           "op_label", "is_view_op", "function_scope", "in_machinery", "machinery_scope"]
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
 _LEAF_LABELS: dict[str, str] = {
@@ -270,6 +283,26 @@ def _function_unit(namer: "UnitNamer") -> str | None:
     return name
 
 
+_machinery = threading.local()
+
+
+@contextlib.contextmanager
+def machinery_scope() -> Iterator[None]:
+    """Ops run inside are not the model's: no unit, no suffix counted (Note: [machinery ops]). Thread-local, so a
+    copy thread's ops are outside every pass anyway."""
+    depth = getattr(_machinery, "depth", 0)
+    _machinery.depth = depth + 1
+    try:
+        yield
+    finally:
+        _machinery.depth = depth
+
+
+def in_machinery() -> bool:
+    """True inside :func:`machinery_scope` on this thread."""
+    return getattr(_machinery, "depth", 0) > 0
+
+
 class UnitNamer:
     """Names ops by the module that runs them; drive it with :meth:`enter` / :meth:`exit` from module hooks.
 
@@ -327,7 +360,7 @@ class UnitNamer:
     def name(self, func: torch._ops.OpOverload, args: tuple = ()) -> str | None:
         """The unit of op ``func`` (called with ``args``) run now; None for views, region markers and a wrapper's
         own ops (Note: [wrapper ops])."""
-        if self.marker(func, args) or self.in_wrapper or is_view_op(func):
+        if self.marker(func, args) or self.in_wrapper or is_view_op(func) or in_machinery():  # rules 3, 5, 6
             return None
         function_unit = _function_unit(self)
         if function_unit is not None:

@@ -146,3 +146,30 @@ def _assert_restored(model: torch.nn.Module) -> None:
         assert "forward" not in module.__dict__, path
         assert not module._forward_hooks and not module._forward_pre_hooks, path
         assert not module._backward_hooks and not module._backward_pre_hooks, path
+
+
+def test_router_indices_saved_after_their_topk_node_died_swap_exactly():
+    """Note: [dead record] in a layer swap: a router that keeps only topk's indices (its values, and with
+    them topk's node, die at once) and gathers with them, as DeepSeek-V3's router does."""
+
+    class Router(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            scores = self.proj(x).sigmoid()
+            picked = torch.topk(scores, k=2, dim=-1)[1]
+            return x * scores.gather(-1, picked).sum(-1, keepdim=True)
+
+    model = torch.nn.Sequential(*(Router() for _ in range(3)))
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    plan = {"format": "adaptive-mem-plan", "version": 1, "decisions": {
+        str(i): {"action": "swap", "backward_prefetch": 1} for i in range(3)}}
+    with optimize(model, plan=plan) as handle:
+        model(x).sum().backward()
+        assert handle.swap_stats.offloaded_bytes > 0
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))

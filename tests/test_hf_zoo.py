@@ -1,11 +1,13 @@
-"""The Hugging Face zoo: every plan kind exact on 20 families (tiny random-weight models, 3 layers, width 64).
+"""The Hugging Face zoo: every plan kind exact on 23 families (tiny random-weight models, 3 layers, width 64).
 
 Per family and plan: one training step of the planned model against the same model without a plan (same
 weights, same batch, same seed); loss and every gradient ``torch.equal``. Models keep Hugging Face's
 defaults and ``use_cache=True`` (the layers get a ``Cache`` object, Note: [cache in recompute]). Full
 recompute must also hold no more activation memory at its peak than ``torch.utils.checkpoint``
 (non-reentrant) on every layer, both measured by ``MemTracker``. The hybrid families (Qwen3-Next, LFM2) mix
-two kinds of layers: their keys apply in the layers that have what they name (Note: [keys per layer]).
+two kinds of layers: their keys apply in the layers that have what they name (Note: [keys per layer]). The MoE
+families route each token to its top-k experts (DeepSeek-V3 by its data, PhiMoE also by Gumbel sampling from
+the RNG): a replay must route as the forward did.
 """
 
 from __future__ import annotations
@@ -27,9 +29,10 @@ KEYS: dict[str, tuple[str, str]] = {
     "llama": ("mlp", "self_attn"), "mistral": ("mlp", "self_attn"), "qwen2": ("mlp", "self_attn"),
     "qwen3": ("mlp", "self_attn"), "gemma": ("mlp", "self_attn"), "gemma2": ("mlp", "self_attn"),
     "phi3": ("mlp", "self_attn"), "olmo2": ("mlp", "self_attn"), "starcoder2": ("mlp", "self_attn"),
-    "mixtral": ("mlp", "self_attn"), "qwen2_moe": ("mlp", "self_attn"),
-    "gpt2": ("mlp", "attn"), "gpt_neox": ("mlp", "attention"), "opt": ("fc1", "self_attn"),
-    "bloom": ("mlp", "self_attention"), "falcon": ("mlp", "self_attention"),
+    "mixtral": ("mlp", "self_attn"), "qwen2_moe": ("mlp", "self_attn"), "deepseek_v3": ("mlp", "self_attn"),
+    "phimoe": ("mlp", "self_attn"), "gpt2": ("mlp", "attn"), "gpt_bigcode": ("mlp", "attn"),
+    "gpt_neox": ("mlp", "attention"), "opt": ("fc1", "self_attn"), "bloom": ("mlp", "self_attention"),
+    "falcon": ("mlp", "self_attention"),
     "bert": ("intermediate", "attention"), "t5": ("DenseReluDense", "SelfAttention"),
     "qwen3_next": ("mlp", "self_attn"), "lfm2": ("feed_forward", "self_attn"),  # self_attn: layer 1 only
 }
@@ -126,6 +129,14 @@ def _peak(bundle, batch) -> int:
     return max(snap["Total"] if "Total" in snap else sum(snap.values()) for snap in peak.values())
 
 
+def test_phimoe_routing_draws_from_the_rng():
+    """The exact PhiMoE cases mean something: its routing follows the RNG state (sparsemixer's Gumbel sampling),
+    so a replay that did not restore the forward's RNG state would route other experts."""
+    bundle, batch, ref = _reference("phimoe")
+    torch.manual_seed(99)
+    assert not torch.equal(bundle.loss(batch).detach(), ref[0])
+
+
 @pytest.mark.parametrize("family", list(KEYS))
 def test_full_recompute_peak_at_most_checkpoint(family: str):
     bundle, batch, _ = _reference(family)
@@ -144,19 +155,24 @@ def test_full_recompute_peak_at_most_checkpoint(family: str):
     assert ours <= theirs, f"{family}: full recompute peak {ours} > checkpoint-every-layer peak {theirs}"
 
 
+MOE_LAYERS = {"mixtral": [0, 1, 2], "qwen2_moe": [0, 1, 2], "phimoe": [0, 1, 2],
+              "deepseek_v3": [1, 2]}  # DeepSeek-V3: layer 0 is dense (first_k_dense_replace=1)
+
+
 def _expert_plans(family: str) -> dict[str, dict]:
-    swap = {"action": "swap", "backward_prefetch": 1}
-    units = {f"model.layers.{i}.mlp.experts.act_fn": "recompute" for i in range(3)}
-    units |= {f"model.layers.{i}.mlp.experts.grouped_mm_1": swap for i in range(3)}
+    swap, layers = {"action": "swap", "backward_prefetch": 1}, MOE_LAYERS[family]
+    units = {f"model.layers.{i}.mlp.experts.act_fn": "recompute" for i in layers}
+    units |= {f"model.layers.{i}.mlp.experts.grouped_mm_1": swap for i in layers}
     return {
         "plan": {"plan": {"format": "adaptive-mem-plan", "version": 1, "decisions": units, "groups": []}},
+        # every layer: a key applies to the layers whose block has the names (Note: [blocks of two kinds])
         "config": {"config": {"recompute_config": {"select_recompute": {r"mlp\.experts\.act_fn": True}},
                               "swap_config": _op_swap(r"mlp\.experts\.grouped_mm_1", True)}},
     }
 
 
 @pytest.mark.parametrize("how", ["plan", "config"])
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("family", list(MOE_LAYERS))
 def test_moe_expert_units_are_targetable(family: str, how: str, caplog):
     """fp32 grouped_mm experts (transformers' default experts implementation) trace on fake tensors
     (Note: [fake op fallbacks]) and their units are named: a plan or a config reaches inside the experts."""
@@ -164,6 +180,8 @@ def test_moe_expert_units_are_targetable(family: str, how: str, caplog):
     with caplog.at_level(logging.WARNING), optimize(bundle.model, **_expert_plans(family)[how]) as handle:
         _assert_same(_step(bundle, batch), ref, f"{family} experts")
         assert handle.swap_stats.offloaded_bytes > 0
+        # the config's keys select the experts of the MoE layers, as the plan names them
+        assert set(handle.plan.decisions) == set(_expert_plans(family)["plan"]["plan"]["decisions"])
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], "error-level log records"
 
 

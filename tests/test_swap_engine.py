@@ -95,6 +95,23 @@ def test_dropped_record_releases_device_memory_and_host_buffer_at_once():
     engine.close()
 
 
+def test_a_storage_saved_again_after_its_first_save_died_is_swapped_again():
+    """Note: [dead record]: the first save's handle dies in forward (topk's node freed with its values), the
+    storage lives on and is saved again: a new record copies it, and the unpack is exact."""
+    engine = _engine()
+    engine.begin_forward()
+    indices = torch.arange(64, dtype=torch.int64).reshape(32, 2)
+    first = engine.offload(indices, label="router", layer=0, prefetch=1)
+    del first
+    gc.collect()
+    again = engine.offload(indices, label="router", layer=0, prefetch=1)
+    engine.end_forward()
+    engine.on_backward(1)
+    assert torch.equal(again.unpack(), torch.arange(64, dtype=torch.int64).reshape(32, 2))
+    assert engine.pool.in_use_bytes == 0
+    engine.close()
+
+
 def test_host_pool_is_reused_across_steps():
     engine = _engine()
     sizes = []

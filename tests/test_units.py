@@ -110,3 +110,49 @@ def test_namer_pops_modules_after_an_exception():
     namer.enter(root[1])
     namer.exit(root)  # Boom's exit was skipped
     assert namer.module_path == ""
+
+
+def test_swap_machinery_ops_are_no_units():
+    """Note: [machinery ops]: the executor's swap hooks run ``empty`` and ``set_`` in the middle of a module call;
+    the model's own ``empty`` after them keeps its profiled name, so a plan swapping it swaps that op."""
+    from adaptive_mem import optimize
+    from profiler import machinery_scope
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(256, 256)
+            self.w = nn.Parameter(torch.randn(256))
+
+        def forward(self, x):
+            h = self.proj(x).exp()  # exp saves its output: swapped below, the swap hook runs first
+            buf = torch.empty(h.shape)  # the model's own ``empty``
+            buf.copy_(h)
+            return buf * self.w  # saves ``buf``, whose storage the ``empty`` unit produced
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+        def forward(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    torch.manual_seed(0)
+    net, x = Net(), torch.randn(4, 256)
+    prof = profiler.profile_step(net, inputs=(x,), loss_fn=lambda m, inp: m(*inp).sum())
+    swapped = ["blocks.0.exp", "blocks.0.empty"]
+    assert all(prof.unit(u).saved_bytes == 4 * 256 * 4 for u in swapped)
+    net(x).sum().backward()
+    want = [p.grad.clone() for p in net.parameters()]
+    net.zero_grad(set_to_none=True)
+    plan = {"format": "adaptive-mem-plan", "version": 1,
+            "decisions": {u: {"action": "swap", "backward_prefetch": 1} for u in swapped}}
+    with optimize(net, plan=plan, profile=prof) as handle:
+        net(x).sum().backward()
+        assert handle.swap_stats.offloaded_bytes == sum(prof.unit(u).saved_bytes for u in swapped)
+    assert all(torch.equal(p.grad, w) for p, w in zip(net.parameters(), want))
+    with machinery_scope():
+        assert UnitNamer(net).name(torch.ops.aten.empty.memory_format) is None

@@ -32,6 +32,11 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mixtral": ("MixtralConfig", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(_GQA, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                          shared_expert_intermediate_size=128)),
+    "deepseek_v3": ("DeepseekV3Config", dict(_TINY, num_key_value_heads=4, moe_intermediate_size=32, n_shared_experts=1,
+                                             n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
+                                             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)),
+    "phimoe": ("PhimoeConfig", dict(_GQA, num_local_experts=4, num_experts_per_tok=2)),
     "gpt2": ("GPT2Config", dict(_IDS, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=128,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "gpt_neox": ("GPTNeoXConfig", dict(_TINY, hidden_dropout=0.0, attention_dropout=0.0)),
@@ -41,6 +46,8 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "falcon": ("FalconConfig", dict(_IDS, hidden_size=64, ffn_hidden_size=128, num_hidden_layers=3,
                                     num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True,
                                     max_position_embeddings=128)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(_IDS, n_embd=64, n_layer=3, n_head=4, n_inner=128, n_positions=128,
+                                             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     "bert": ("BertConfig", dict(_TINY, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
     "t5": ("T5Config", dict(_IDS, d_model=64, d_kv=16, d_ff=128, num_layers=3, num_decoder_layers=3, num_heads=4,
                             dropout_rate=0.0, decoder_start_token_id=0)),
@@ -53,7 +60,7 @@ HF_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 HF_HEADS: dict[str, str] = {"bert": "BertForMaskedLM", "t5": "T5ForConditionalGeneration"}
 """Model class of the families that are not causal LMs (the rest: ``AutoModelForCausalLM``)."""
-_POSITIONS = {"gpt2": "n_positions", "bloom": None, "t5": None}
+_POSITIONS = {"gpt2": "n_positions", "gpt_bigcode": "n_positions", "bloom": None, "t5": None}
 """Config attribute bounding the sequence length, where it is not ``max_position_embeddings``."""
 _EAGER = ("gemma2", "bloom")
 """Families without an SDPA attention in transformers (gemma2: logit soft-capping)."""

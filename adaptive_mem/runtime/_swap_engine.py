@@ -10,6 +10,11 @@ layers ahead) or on demand at unpack; unpack blocks only if the reload is
 late. Host buffers return to the pool as soon as their bytes are back on the
 device, so nothing leaks across steps.
 
+Note: [dead record]. A record serves the saves of its storage until its last handle dies, then drops
+its copy and host buffer for good; a later save of the storage in the same forward gets a new record
+(a router's ``topk`` saves its indices and dies with its unused values, then ``gather`` saves the
+same indices). A dead record takes no handle (tests/test_swap_engine.py, ``..._saved_again_...``).
+
 Note: [budget-aware prefetch]. With a ``headroom`` callback (the executor sets
 one that reads the active ``DeviceMemory`` cap; the adaptive loop its own) a scheduled prefetch is issued only when it fits in the free device
 bytes minus ``prefetch_reserve``; otherwise it is retried at the next layer's
@@ -34,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 
+from profiler import machinery_scope
 from profiler._recorder import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
@@ -98,6 +104,7 @@ class _Record:
         self.error: str | None = None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
+        self.dead = False  # the last handle died: copies cancelled or done, host buffer released
         self.lock = threading.RLock()
 
     def offload(self) -> None:
@@ -192,6 +199,13 @@ class _Record:
                 self._release_host()
         return self.dst.untyped_storage()
 
+    def add_handle(self) -> None:
+        """One more save of the storage (or a view of it) refers to this record (Note: [dead record])."""
+        if self.dead:
+            raise RuntimeError(f"swap of {self.label}: a saved tensor attached to a record whose handles all died "
+                               "(its host copy is released); expected a new record for the storage")
+        self.handles += 1
+
     def drop_handle(self) -> None:
         """The last handle died (backward ran, or the graph was dropped).
 
@@ -203,6 +217,7 @@ class _Record:
         self.handles -= 1
         if self.handles:
             return
+        self.dead = True  # Note: [dead record]
         self.dst = None
         if self.h2d is not None:
             with self.lock:
@@ -231,8 +246,9 @@ class Packed:
         self.size = t.size()
         self.stride = t.stride()
         self.offset = t.storage_offset()
-        record.handles += 1
+        record.add_handle()
 
+    @machinery_scope()  # Note: [machinery ops]: its ops are no units of the model
     def unpack(self) -> torch.Tensor:
         storage = self.record.storage()
         out = torch.empty(0, dtype=self.dtype, device=self.record.device)
@@ -287,6 +303,7 @@ class SwapEngine:
     def end_forward(self) -> None:
         self._by_storage.clear()
 
+    @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
         """Start copying ``t``'s storage to the host; returns the handle autograd keeps.
 
@@ -297,7 +314,7 @@ class SwapEngine:
         st = t.untyped_storage()
         key = st._cdata
         known = self._by_storage.get(key)
-        if known is not None and known[0]() is not None:
+        if known is not None and known[0]() is not None and not known[1].dead:  # Note: [dead record]
             return Packed(known[1], t, dtensor)  # Note: [swap by storage]: saved twice or another view
         record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
@@ -308,6 +325,7 @@ class SwapEngine:
         return Packed(record, t, dtensor)
 
     # ------------------------------------------------------------------ backward
+    @machinery_scope()  # Note: [machinery ops]
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
         and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
