@@ -187,10 +187,10 @@ def _traced_units(model: nn.Module, info: LayerInfo, layers: list[int]) -> dict[
     class _Collect(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            name = namer.name(func, args)  # every op: the namer keeps its regions (Note: [wrapper ops])
             if func.namespace != "aten" or not any(isinstance(o, torch.Tensor) for o in
                                                    (out if isinstance(out, (tuple, list)) else (out,))):
                 return out  # metadata queries (prim.device) create no unit
-            name = namer.name(func)
             for k, prefix in enumerate(prefixes):
                 if name is not None and name.startswith(prefix):
                     found[k][name[len(prefix):]] = None

@@ -156,7 +156,7 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
 
     class _Names(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, a=(), k=None):
-            unit = namer.name(func)
+            unit = namer.name(func, a)
             if unit is not None:
                 names.setdefault(unit)
             return func(*a, **(k or {}))

@@ -127,7 +127,7 @@ class _Tracker(TorchDispatchMode):
         ex = self.ex
         if ex._opaque or ex._quiet_layer:
             return out
-        unit = ex.namer.name(func)
+        unit = ex.namer.name(func, args)
         if unit is None:
             return out
         info = ex._swap_info(unit)

@@ -49,8 +49,8 @@ class OpCounter:
     def reset(self) -> None:
         self.counts = {}
 
-    def key(self, func: Any) -> tuple[str, int] | None:
-        unit = self.namer.name(func)
+    def key(self, func: Any, args: tuple = ()) -> tuple[str, int] | None:
+        unit = self.namer.name(func, args)
         if unit is None:
             return None
         n = self.counts.get(unit, 0)
@@ -86,7 +86,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = self.counter.key(func)
+        key = self.counter.key(func, args)
         out = func(*args, **kwargs)
         if key is None:
             return out
@@ -217,7 +217,7 @@ class SacPolicy:
         self.on_swap_output = on_swap_output
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        key = self.counter.key(func)
+        key = self.counter.key(func, args)
         if key is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
         action = self.action(key[0])
