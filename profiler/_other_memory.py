@@ -20,16 +20,24 @@ tests/test_parallel_adaptive_layouts.py and tests/test_wrapper_ops.py.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
-__all__ = ["MemoryMeter", "OtherMemory"]
+__all__ = ["AcceleratorMeter", "MemoryMeter", "OtherMemory", "measured_memory", "read"]
+
+
+def read(meter: "MemoryMeter", name: str) -> int:
+    """``meter.live`` / ``meter.peak``: a method's value or an attribute (0 when the meter knows none)."""
+    value = getattr(meter, name)
+    return int((value() if callable(value) else value) or 0)
 
 
 class MemoryMeter(Protocol):
-    """Live and peak bytes of the profiled device."""
+    """Live and peak bytes of the profiled device (``live`` and ``peak`` methods or attributes, as
+    ``adaptive_mem.DeviceMemory`` has them)."""
 
     def live(self) -> int | None:
         """Bytes allocated now."""
@@ -67,7 +75,35 @@ class OtherMemory:
     def sample(self, counted: int, *, wrapper_op: bool = False) -> None:
         """After an op: ``counted`` is the bytes the recorder counts now."""
         if self.meter is not None:
-            self.peak = max(self.peak, (self.meter.live() or 0) - counted)
+            self.peak = max(self.peak, read(self.meter, "live") - counted)
         elif wrapper_op:
             sizes = [st.nbytes() for st in (ref() for ref in list(self._wrapper.values())) if st is not None]
             self.peak = max(self.peak, sum(sizes))
+
+
+class AcceleratorMeter:
+    """An accelerator's allocator statistics as a :class:`MemoryMeter`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def live(self) -> int:
+        return torch.accelerator.memory_allocated(self.device)
+
+    def peak(self) -> int:
+        return torch.accelerator.max_memory_allocated(self.device)
+
+    def reset_peak(self) -> None:
+        torch.accelerator.reset_peak_memory_stats(self.device)
+
+
+def measured_memory(recorder: Any, static: Any, *, present: int) -> tuple[Any, int]:
+    """``static`` (a ``StaticMemory``) with what the device held beside the step's tensors (``other``), and the
+    step's peak bytes before the optimizer state: the recorder's count plus ``other``, or more where the meter saw
+    more (kernels' scratch buffers, which the recorder does not see). ``present``: optimizer state bytes allocated
+    during the recording, which the meter saw and ``static`` counts already."""
+    other = max(0, recorder.other.peak - present)
+    peak = recorder.peak_bytes + other
+    if recorder.device_peak is not None:
+        peak = max(peak, recorder.device_peak - present)
+    return dataclasses.replace(static, other=int(other)), int(peak)

@@ -7,13 +7,13 @@ with :func:`json.loads` plus validation, never with pickle.
 from __future__ import annotations
 
 import json
-import reprlib
 import sys
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ._compiled import check_compiled
+from ._profile_fields import ProfileError, build_record, check_field, is_type, field_list, short, unique_keys
 from ._units import LayerInfo
 
 __all__ = [
@@ -29,10 +29,6 @@ __all__ = [
 
 PROFILE_FORMAT = "adaptive-mem-profile"
 PROFILE_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile file or dict is not of the documented form."""
 
 
 @dataclass(frozen=True)
@@ -232,30 +228,30 @@ class Profile:
         if not isinstance(data, dict):
             raise ProfileError(f"profile: expected a JSON object, got {type(data).__name__}")
         if data.get("format") != PROFILE_FORMAT:
-            raise ProfileError(f"profile.format={_short(data.get('format'))}: expected {PROFILE_FORMAT!r}")
+            raise ProfileError(f"profile.format={short(data.get('format'))}: expected {PROFILE_FORMAT!r}")
         if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"profile.version={_short(data.get('version'))}: expected {PROFILE_VERSION}")
+            raise ProfileError(f"profile.version={short(data.get('version'))}: expected {PROFILE_VERSION}")
         body = {k: v for k, v in data.items() if k != "format"}
-        body["hardware"] = _build(HardwareSpec, body.get("hardware"), "profile.hardware")
-        body["static"] = _build(StaticMemory, body.get("static"), "profile.static")
-        body["ops"] = [_build(OpRecord, op, f"profile.ops[{i}]") for i, op in enumerate(_list(body, "ops"))]
-        body["units"] = [_build(UnitRecord, u, f"profile.units[{i}]") for i, u in enumerate(_list(body, "units"))]
-        profile = _build(cls, body, "profile")
+        body["hardware"] = build_record(HardwareSpec, body.get("hardware"), "profile.hardware")
+        body["static"] = build_record(StaticMemory, body.get("static"), "profile.static")
+        body["ops"] = [build_record(OpRecord, op, f"profile.ops[{i}]") for i, op in enumerate(field_list(body, "ops"))]
+        body["units"] = [build_record(UnitRecord, u, f"profile.units[{i}]") for i, u in enumerate(field_list(body, "units"))]
+        profile = build_record(cls, body, "profile")
         for key in ("batch_size", "seq_len", "num_layers"):
             value = profile.model.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-                raise ProfileError(f"profile.model.{key}={_short(value)}: expected a positive integer")
+                raise ProfileError(f"profile.model.{key}={short(value)}: expected a positive integer")
         for key in ("spec", "dtype", "fingerprint"):  # compared with a plan's (search._match)
             value = profile.model.get(key)
             if value is not None and not isinstance(value, str):
-                raise ProfileError(f"profile.model.{key}={_short(value)}: expected a string or null")
+                raise ProfileError(f"profile.model.{key}={short(value)}: expected a string or null")
         if profile.model.get("parameters") is not None:
-            _check("profile.model.parameters", profile.model["parameters"], "int")
+            check_field("profile.model.parameters", profile.model["parameters"], "int")
         _check_stacks(profile)
         for key, v in (("gradient_split", profile.gradient_split), ("gradient_largest", profile.gradient_largest)):
-            if not isinstance(v, list) or v and (len(v) != profile.num_layers + 2 or not all(_is(x, "int") and x >= 0
+            if not isinstance(v, list) or v and (len(v) != profile.num_layers + 2 or not all(is_type(x, "int") and x >= 0
                                                                                             for x in v)):
-                raise ProfileError(f"profile.{key}={_short(v)}: expected num_layers + 2 integers >= 0, or no key")
+                raise ProfileError(f"profile.{key}={short(v)}: expected num_layers + 2 integers >= 0, or no key")
         check_compiled(profile.compiled, ProfileError)
         _check_references(profile)
         return profile
@@ -271,7 +267,7 @@ class Profile:
         if not text.strip():
             raise ProfileError(f"profile file {str(path)!r}: empty; expected a JSON profile")
         try:
-            data = json.loads(text, object_pairs_hook=_unique_keys)
+            data = json.loads(text, object_pairs_hook=unique_keys)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"profile file {str(path)!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         except RecursionError:
@@ -284,28 +280,19 @@ class Profile:
         return cls.from_dict(data)
 
 
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ProfileError(f"profile: duplicate key {key!r}; expected each key once")
-        out[key] = value
-    return out
-
-
 def _check_stacks(profile: Profile) -> None:
     stacks = profile.layer_stacks
     if not isinstance(stacks, list):
-        raise ProfileError(f"profile.layer_stacks={_short(stacks)}: expected a list of objects")
+        raise ProfileError(f"profile.layer_stacks={short(stacks)}: expected a list of objects")
     form = 'an object {"container": str, "count": int > 0}'
     for i, stack in enumerate(stacks):
         if not isinstance(stack, dict) or set(stack) != {"container", "count"}:
-            raise ProfileError(f"profile.layer_stacks[{i}]={_short(stack)}: expected {form}")
-        if not isinstance(stack["container"], str) or not _is(stack["count"], "int") or stack["count"] <= 0:
-            raise ProfileError(f"profile.layer_stacks[{i}]={_short(stack)}: expected {form}")
+            raise ProfileError(f"profile.layer_stacks[{i}]={short(stack)}: expected {form}")
+        if not isinstance(stack["container"], str) or not is_type(stack["count"], "int") or stack["count"] <= 0:
+            raise ProfileError(f"profile.layer_stacks[{i}]={short(stack)}: expected {form}")
     if stacks and (stacks[0]["container"] != profile.layer_container
                    or sum(s["count"] for s in stacks) != profile.num_layers):
-        raise ProfileError(f"profile.layer_stacks={_short(stacks)}: expected the first container to be "
+        raise ProfileError(f"profile.layer_stacks={short(stacks)}: expected the first container to be "
                            f"layer_container ({profile.layer_container!r}) and counts summing to num_layers "
                            f"({profile.num_layers})")
 
@@ -327,78 +314,3 @@ def _check_references(profile: Profile) -> None:
         missing = next((c for c in unit.consumers if c not in names), None)
         if missing is not None:
             raise ProfileError(f"profile.units[{j}].consumers: {missing!r}: not a unit of this profile")
-
-
-_REPR = reprlib.Repr()
-_REPR.maxstring = _REPR.maxother = 60
-_REPR.maxlong, _REPR.maxlevel, _REPR.maxlist, _REPR.maxdict = 24, 2, 5, 5
-_LIMIT = 2**63
-"""Integers from 2**63 up are no byte count, FLOP count or index of a real step (and overflow float math)."""
-
-
-def _short(value: Any) -> str:
-    """``repr(value)`` cut to a few dozen characters, for one-line errors (a file can hold anything)."""
-    return _REPR.repr(value)
-
-
-def _check_number(where: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return
-    if not 0 <= value < float("inf"):
-        raise ProfileError(f"{where}={_short(value)}: expected a number, finite and >= 0")
-    if value >= _LIMIT:
-        raise ProfileError(f"{where}={_short(value)}: expected a number below 2**63")
-
-
-_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "float": (int, float), "str": (str,), "bool": (bool,),
-}
-
-
-def _list(body: dict[str, Any], key: str) -> list[Any]:
-    value = body.get(key)
-    if not isinstance(value, list):
-        raise ProfileError(f"profile.{key}={type(value).__name__}: expected a list")
-    return value
-
-
-def _build(kind: type, data: Any, where: str) -> Any:
-    if not isinstance(data, dict):
-        raise ProfileError(f"{where}: expected an object, got {type(data).__name__}")
-    known = {f.name: f for f in fields(kind)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        raise ProfileError(f"{where}.{unknown[0]}: unknown key; expected one of {sorted(known)}")
-    for name, f in known.items():
-        if name not in data:
-            if f.default is not MISSING or f.default_factory is not MISSING:
-                continue
-            raise ProfileError(f"{where}.{name}: missing")
-        _check(f"{where}.{name}", data[name], str(f.type))
-    return kind(**data)
-
-
-def _is(value: Any, t: str) -> bool:
-    if t == "None":
-        return value is None
-    return isinstance(value, _TYPES[t]) and not (t != "bool" and isinstance(value, bool))
-
-
-def _check(where: str, value: Any, annotation: str) -> None:
-    """Check scalars (``int``, ``float | None``...) and lists of scalars (``list[int]``); other types are built by the caller."""
-    expected = annotation.split(" | ")
-    if all(t in _TYPES or t == "None" for t in expected):
-        if not any(_is(value, t) for t in expected):
-            raise ProfileError(f"{where}={_short(value)}: expected {' or '.join(expected)}")
-        _check_number(where, value)
-        return
-    if len(expected) == 1 and expected[0].startswith("dict[") and not isinstance(value, dict):
-        raise ProfileError(f"{where}={type(value).__name__}: expected an object")
-    if len(expected) == 1 and expected[0].startswith("list[") and expected[0][5:-1] in _TYPES:
-        item = expected[0][5:-1]
-        if not isinstance(value, list):
-            raise ProfileError(f"{where}={type(value).__name__}: expected a list of {item}")
-        for i, element in enumerate(value):
-            if not _is(element, item):
-                raise ProfileError(f"{where}[{i}]={_short(element)}: expected {item}")
-            _check_number(f"{where}[{i}]", element)

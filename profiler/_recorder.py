@@ -269,8 +269,12 @@ class Recorder(TorchDispatchMode):
         return out, seconds
 
     def _forward_op(self, func, args, kwargs):
+        if func.overloadpacket is torch.ops.aten.detach:
+            # makes no autograd node: the nodes made since the last op are the next op's (a pack hook detaches what
+            # it saves before the saving op's kernel runs: Note: [pack without a cycle], Note: [sequence numbers])
+            return func(*args, **kwargs)
         unit = self.namer.name(func, args)
-        if unit is None and (func.namespace == "profiler" or self.namer.in_wrapper):
+        if unit is None and (func.namespace == "profiler" or self.namer.regions.wrapper):
             self._last_seq = torch.autograd._get_sequence_nr()
             out, seconds = self._wrapper_op(func, args, kwargs)
             self.wrapper_time += seconds

@@ -17,9 +17,9 @@ from ._compiled import CompileBackendError, apply_compiled, check_backend, measu
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
-from ._other_memory import MemoryMeter
+from ._other_memory import AcceleratorMeter, MemoryMeter, measured_memory, read
 from ._paths import module_path
-from ._profile import HardwareSpec, OpRecord, Profile, StaticMemory, UnitRecord
+from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder, local_shard
 from ._static import allocated_optimizer_state, static_memory
 from ._timing import timed
@@ -166,7 +166,8 @@ def profile_step(
         model.train(was_training)
         for p, grad in saved_grads:
             p.grad = grad
-    static, peak = _measured_memory(recorder, static, optimizer)
+    present = allocated_optimizer_state(optimizer) if recorder.other.meter is not None else 0
+    static, peak = measured_memory(recorder, static, present=present)
     result = _build(step, recorder, hw, static, device, fake, step_time, dtype, peak)
     if optimizer_time is None:
         optimizer_time = _optimizer_seconds(model, optimizer or "adam", hw, fake)
@@ -178,35 +179,6 @@ def profile_step(
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
-
-
-def _measured_memory(recorder: Recorder, static: StaticMemory, optimizer: Any) -> tuple[StaticMemory, int]:
-    """``static`` with what the device held beside the step's tensors (``other``, Note: [other device memory]), and
-    the step's peak bytes before the optimizer state: the recorder's count plus ``other``, or more where the device
-    measured more (kernels' scratch buffers, which the recorder does not see)."""
-    other = recorder.other.peak
-    present = allocated_optimizer_state(optimizer) if recorder.other.meter is not None else 0
-    other = max(0, other - present)  # the meter also saw the optimizer state allocated now, which ``static`` counts
-    peak = recorder.peak_bytes + other
-    if recorder.device_peak is not None:
-        peak = max(peak, recorder.device_peak - present)
-    return dataclasses.replace(static, other=int(other)), int(peak)
-
-
-class _AcceleratorMeter:
-    """An accelerator's allocator statistics as a :class:`MemoryMeter`."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-
-    def live(self) -> int:
-        return torch.accelerator.memory_allocated(self.device)
-
-    def peak(self) -> int:
-        return torch.accelerator.max_memory_allocated(self.device)
-
-    def reset_peak(self) -> None:
-        torch.accelerator.reset_peak_memory_stats(self.device)
 
 
 def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer, hw: HardwareSpec, fake: bool) -> float:
@@ -247,7 +219,7 @@ def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake:
     _clear_grads(model)
     static_tensors = [*model.parameters(), *(b for b in model.buffers() if b is not None)]
     if meter is None and device.type not in ("cpu", "meta"):
-        meter = _AcceleratorMeter(device)
+        meter = AcceleratorMeter(device)
     recorder = Recorder(model, timing="estimate" if fake else "measure", hardware=hw, static=static_tensors,
                         sync_device=device if device.type not in ("cpu", "meta") else None, meter=meter)
     recorder.start_memory([*static_tensors, *step.inputs])
@@ -258,7 +230,7 @@ def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake:
     with recorder.backward():
         loss.backward()
     if meter is not None:
-        recorder.device_peak = meter.peak()
+        recorder.device_peak = read(meter, "peak")
     del loss
     _clear_grads(model)
     return recorder

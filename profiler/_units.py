@@ -52,9 +52,10 @@ import torch
 from torch import nn
 
 from ._paths import COMPILE_CHILD, module_path, named_modules
+from ._regions import Regions
 
-__all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "WRAPPER_REGIONS", "collective_label", "find_layers",
-           "op_label", "is_view_op", "function_scope", "in_machinery", "machinery_scope"]
+__all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "collective_label", "find_layers", "op_label", "is_view_op",
+           "function_scope", "in_machinery", "machinery_scope"]
 
 _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
 _LEAF_LABELS: dict[str, str] = {
@@ -62,14 +63,6 @@ _LEAF_LABELS: dict[str, str] = {
     "embedding": "embedding", "dropout": "dropout",
 }
 
-
-# Note: [wrapper ops] a parallel wrapper runs ops of its own around the model's: FSDP2 all-gathers a block's
-# parameters into buffers it allocates and copies out (``FSDP::pre_forward``), frees them after the block
-# (``FSDP::post_forward``), gathers them again and reduce-scatters the gradients in backward. Each such region is
-# a ``record_function`` whose name starts with one of these prefixes. Its ops belong to no unit (no plan can name
-# an all-gather buffer), what they allocate is the wrapper's memory, not an activation, and the record_function
-# markers themselves are no units either. Guarded by tests/test_wrapper_ops.py.
-WRAPPER_REGIONS = ("FSDP::",)
 
 _METADATA_OPS = {"sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "is_contiguous", "is_same_size",
                  "_local_scalar_dense", "is_nonzero", "size", "stride", "numel", "dim"}
@@ -317,15 +310,15 @@ class UnitNamer:
         self.layers = find_layers(root)
         self._stack: list[tuple[nn.Module, dict[str, int]]] = []
         self._collective: str | None = None
-        self._regions: list[bool] = []
-        """Open ``record_function`` regions, innermost last: True for a wrapper's (Note: [wrapper ops])."""
+        self.regions = Regions()
+        """Open ``record_function`` regions, a wrapper's among them (Note: [wrapper ops])."""
 
     def tracks(self, module: nn.Module) -> bool:
         return id(module) in self.paths
 
     def enter(self, module: nn.Module) -> None:
         if not self._stack:
-            self._regions.clear()  # a new forward: no region of an earlier one is open (Note: [wrapper ops])
+            self.regions.clear()  # a new forward: no region of an earlier one is open
         self._stack.append((module, {}))
 
     def exit(self, module: nn.Module) -> None:
@@ -339,28 +332,10 @@ class UnitNamer:
     def module_path(self) -> str:
         return self.paths[id(self._stack[-1][0])] if self._stack else ""
 
-    @property
-    def in_wrapper(self) -> bool:
-        """Ops run now belong to a parallel wrapper's region (Note: [wrapper ops])."""
-        return any(self._regions)
-
-    def marker(self, func: torch._ops.OpOverload, args: tuple = ()) -> bool:
-        """Whether ``func`` opens or closes a ``record_function`` region; keeps the open regions (call it for
-        every op, forward and backward, with the op's arguments)."""
-        if func.namespace != "profiler":
-            return False
-        name = func.overloadpacket.__name__
-        if name.startswith("_record_function_enter"):
-            label = args[0] if args else None
-            self._regions.append(isinstance(label, str) and label.startswith(WRAPPER_REGIONS))
-        elif name.startswith("_record_function_exit") and self._regions:
-            self._regions.pop()
-        return True
-
     def name(self, func: torch._ops.OpOverload, args: tuple = ()) -> str | None:
         """The unit of op ``func`` (called with ``args``) run now; None for views, region markers and a wrapper's
         own ops (Note: [wrapper ops])."""
-        if self.marker(func, args) or self.in_wrapper or is_view_op(func) or in_machinery():  # rules 3, 5, 6
+        if self.regions.observe(func, args) or self.regions.wrapper or is_view_op(func) or in_machinery():  # 3, 5, 6
             return None
         function_unit = _function_unit(self)
         if function_unit is not None:

@@ -133,7 +133,20 @@ def _refused(layout: str, *, rank: int, order: str, budget: int) -> dict[str, An
     return {"refused": None, "steps": len(out["losses"])}
 
 
+def _profile(layout: str) -> dict[str, Any]:
+    """The wrapped model's profile: its units (name, saved bytes) and what the rank holds."""
+    import profiler
+
+    b = _bundle()
+    model = WRAP[layout](b.model)
+    ids, _ = b.batch(seed=0)
+    prof = profiler.profile_step(model, inputs=(ids,), loss_fn=lambda m, inputs: _local(m(*inputs)).sum(),
+                                 optimizer="sgd", warmup=0, repeat=0, record=1, optimizer_time=0.0)
+    return {"units": [(u.name, u.saved_bytes) for u in prof.units], "static": prof.static}
+
+
 def _layout(results: dict, rank: int, layout: str) -> None:
+    guard(results, f"{layout}-profile", lambda: _profile(layout))
     guard(results, f"{layout}-plain", lambda: _train(layout, rank=rank, order=None, budget=None))
     plain = results[f"{layout}-plain"]
     peak = torch.tensor([max(plain.get("peaks") or [0])])

@@ -45,11 +45,30 @@ def _assert_exact(ranks: list[dict], layout: str, name: str) -> None:
             assert not differ, f"rank {rank} {name} step {step}: gradients differ: {differ[:5]}"
 
 
+def test_an_fsdp2_profile_has_the_models_units_and_the_ranks_shards(ranks):
+    """Note: [wrapper ops]: FSDP2's all-gathers, copy-outs and their buffers are no units, and the blocks' saves of
+    the gathered weights no activation bytes: the profile of a rank is the plain model's, its parameters the rank's
+    shards, and what FSDP2 holds beside the step is ``static.other``."""
+    import profiler
+    from _parallel_layout_cases import _bundle
+
+    b = _bundle()
+    ids, _ = b.batch(seed=0)
+    plain = profiler.profile_step(b.model, inputs=(ids,), loss_fn=lambda m, inputs: m(*inputs).sum(),
+                                  optimizer="sgd", warmup=0, repeat=0, record=1, optimizer_time=0.0)
+    whole = plain.static.parameters
+    for rank, found in enumerate(_case(ranks, "fsdp-profile")):
+        assert found["units"] == [(u.name, u.saved_bytes) for u in plain.units], rank
+        assert found["static"].parameters == whole // 2 and found["static"].gradients == whole // 2, found["static"]
+        assert found["static"].other > 0, "FSDP2's gathered blocks were not seen"
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("budget", ["above", "between"])
 def test_adaptive_loop_is_exact_on_every_rank(ranks, layout, order, budget):
-    # Note: [hooks before the loop's] (order "before" under FSDP2), Note: [wrapper ops], [other device memory]
+    # Note: [hooks before the loop's] (order "before" under FSDP2), [wrapper ops], [other device memory],
+    # [DDP gradient buckets] (order "before" under DDP: the loop sees no wrapper until it looks around the model)
     _assert_exact(ranks, layout, f"{layout}-{order}-{budget}")
     history = _case(ranks, f"{layout}-{order}-{budget}")[0]["history"]
     assert history[0][0] == "warmup" and len(history) == STEPS

@@ -33,6 +33,7 @@ from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
 from adaptive_mem.runtime._apply import _APPLIED, apply_plan
 from ._batch import AdaptiveBatch
+from ._entry import hooks_before, run_again_then_first
 from adaptive_mem.runtime._spill import HostBudget, as_host_budget
 from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
 from ._plan_cache import CachedPlan, PlanCache, plan_key
@@ -175,7 +176,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self._in_step = True
         self.hook.begin_step()
         self.hook.enter()
-        earlier = self._hooks_before_ours(module)
+        earlier = hooks_before(module, self._handles[0])
         profiles = self.profiles_run
         try:
             self._begin(args, kwargs)
@@ -183,27 +184,8 @@ class AdaptiveMemory(StepMeasurement, Planner):
             self._inputs_key = None  # plan again next time
             self._abandon()
             raise  # the always-called forward hook still runs: it balances the depth
-        if earlier and self.profiles_run > profiles:
-            self._rerun(module, earlier, args, kwargs)
-
-    def _hooks_before_ours(self, module: nn.Module) -> list[tuple[int, Any]]:
-        """Forward pre-hooks of ``module`` that ran before the loop's in this call (a wrapper applied after the
-        loop: FSDP2's ``fully_shard`` prepends its own)."""
-        ours = self._handles[0].id
-        hooks = list(module._forward_pre_hooks.items())
-        position = next((i for i, (key, _) in enumerate(hooks) if key == ours), 0)
-        return hooks[:position]
-
-    def _rerun(self, module: nn.Module, earlier: list[tuple[int, Any]], args: tuple, kwargs: dict) -> None:
-        """Note: [hooks before the loop's] the profile ran a whole step inside this forward's pre-hooks; a wrapper's
-        pre-hook that ran before the loop's set up state for this forward which that step's end took down (FSDP2
-        reshards every block and ends its iteration after backward). Run those hooks again for this forward, and
-        put the loop's hook first for the next ones. Guarded by tests/test_parallel_adaptive_layouts.py."""
-        with_kwargs = module._forward_pre_hooks_with_kwargs
-        for key, hook in earlier:
-            hook(module, args, kwargs) if key in with_kwargs else hook(module, args)
-        self._handles[0].remove()
-        self._handles[0] = module.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True)
+        if earlier and self.profiles_run > profiles:  # Note: [hooks before the loop's]
+            self._handles[0] = run_again_then_first(module, earlier, self._handles[0], self._pre, args, kwargs)
 
     def _abandon(self) -> None:
         self._in_step = False
