@@ -1,6 +1,6 @@
 """The cases of tests/test_parallel_adaptive_layouts.py, run inside 2 spawned gloo ranks (every collective with a
-timeout): the adaptive loop on DDP and FSDP2 (``fully_shard`` per layer and the root), applied before and after
-the wrapper, at a budget above the plain step's peak, one between the loop's minimum and that peak, and one below
+timeout): the adaptive loop on DDP, FSDP2 (``fully_shard`` per layer and the root) and tensor parallel
+(``adaptive_mem.models.parallelize``), applied before and after the wrapper, at a budget above the plain step's peak, one between the loop's minimum and that peak, and one below
 the minimum; and the same runs with out-of-memory faults injected at random allocations. Each rank trains under its
 own ``DeviceMemory`` capped at the budget and records every step's loss and local gradients, and the plain run of the
 same layout."""
@@ -26,7 +26,7 @@ __all__ = ["LAYOUTS", "ORDERS", "STEPS", "TIMEOUT", "FAULTS", "worker"]
 STEPS = 4
 TIMEOUT = 240  # seconds: every collective; the spawn gets twice this
 FAULTS = 30  # injected per layout and rank, at random allocations of the adaptive run's steps
-LAYOUTS = ("ddp", "fsdp")
+LAYOUTS = ("ddp", "fsdp", "tp")
 ORDERS = ("before", "after")
 
 
@@ -50,7 +50,13 @@ def _fsdp(model: nn.Module) -> nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
-WRAP: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp": _fsdp}
+def _tp(model: nn.Module) -> nn.Module:
+    from adaptive_mem.models import Parallel, parallelize
+
+    return parallelize(model, layout=Parallel("tp", dist.get_world_size()), batch_size=2).module
+
+
+WRAP: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp": _fsdp, "tp": _tp}
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -100,7 +106,8 @@ def _train(layout: str, *, rank: int, order: str | None, budget: int | None, fau
                     faults.arm(mem, step, STEPS)
                 else:
                     mem.allocations = 0
-                ids, labels = b.batch(seed=2 * step + rank)  # each rank its own batch: the reduction matters
+                # data parallel: each rank its own batch (the reduction matters); tensor parallel: one batch
+                ids, labels = b.batch(seed=2 * step + (rank if layout != "tp" else 0))
                 logits = _local(model(ids))
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
                 loss.backward()

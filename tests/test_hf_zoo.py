@@ -232,3 +232,24 @@ def test_hybrid_plan_targets_apply_in_their_layer(family: str):
         optimize(bundle.model, plan={**plan, "decisions": wrong})
     _assert_same(_step(bundle, batch), ref, f"{family} after a refused plan")
 
+
+
+def test_gpt_bigcode_milp_plan_names_the_units_of_eager_attention_and_runs_exactly(tmp_path):
+    """GPTBigCode with eager attention runs ``clone`` ops of its own (``transformer.h.0.attn.clone_3``): the milp plan
+    searched on its profile names them, and the executor finds the same units and runs the plan exactly."""
+    import profiler
+    from adaptive_mem.cli import main
+    from search import Plan
+
+    bundle = _build("gpt_bigcode")
+    bundle.model.set_attn_implementation("eager")
+    batch = bundle.batch(seed=0)
+    ref = _step(bundle, batch)
+    profile, plan = tmp_path / "p.json", tmp_path / "plan.yaml"
+    profiler.profile_step(bundle, warmup=0, repeat=0, record=1, optimizer_time=0.0).save(profile)
+    assert "transformer.h.0.attn.clone_3" in {u.name for u in profiler.Profile.load(profile).units}
+    assert main(["search", str(profile), "--activation-budget", "0.3", "-o", str(plan)]) == 0
+    assert any(".attn.clone" in target for target in Plan.load(plan).decisions), "no eager-attention unit decided"
+    with optimize(bundle.model, plan=str(plan)) as handle:
+        assert handle.summary().takes_effect, handle.summary()
+        _assert_same(_step(bundle, batch), ref, "gpt_bigcode eager milp")

@@ -1,4 +1,4 @@
-"""The adaptive loop under DDP and FSDP2 on 2 gloo ranks, applied before and after the wrapper: every step of every
+"""The adaptive loop under DDP, FSDP2 and tensor parallel on 2 gloo ranks, applied before and after the wrapper: every step of every
 rank has the loss and local gradients of the same layout without the loop (``torch.equal``) at a budget above the
 plain peak and at one between the loop's measured minimum and that peak; a budget below the minimum is refused
 before the first step; injected out-of-memory faults at random allocations change nothing (cases in

@@ -40,7 +40,7 @@ from ._plan_cache import CachedPlan, PlanCache, plan_key
 from ._planner import Planner
 from ._ranks import RankGroup, share_decision
 from ._target_search import Move, StepRecord, TargetSearch
-from ._wrappers import warn_untested
+from ._wrappers import is_laid_out, warn_untested
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
 
@@ -388,7 +388,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
                             loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator,
                             host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"), ranks=ranks)
     handle.batch = batch
-    if budget is not None:
+    if budget is not None and not (ranks.active and not is_laid_out(model)):  # else a layout may still shard it
         try:  # a budget below what never leaves the device is refused now, before any step or batch
             handle._check_static()
         except AdaptiveBudgetError:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["WrapperMemory", "warn_untested", "wrapper_memory"]
+__all__ = ["WrapperMemory", "is_laid_out", "warn_untested", "wrapper_memory"]
 
 log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logger]
 
@@ -95,6 +95,19 @@ def wrapper_memory(model: nn.Module, *, around: bool = False) -> WrapperMemory:
     parts = [f"FSDP2 gathered largest block {_fmt(gathered)}"] if gathered else []
     parts += [f"DDP gradient buckets {_fmt(buckets)}"] if buckets else []
     return WrapperMemory(gathered=gathered, buckets=buckets, what=", ".join(parts))
+
+
+def is_laid_out(model: nn.Module) -> bool:
+    """Whether ``model`` carries a parallel layout already (DDP, FSDP2, DTensor parameters): the loop applied before
+    ``fully_shard`` or ``parallelize_module`` sees whole parameters a layout will shard, so what never leaves the
+    device is known only at the first step."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = any(isinstance(m, (FSDPModule, DistributedDataParallel)) for m in model.modules())
+    return wrapped or any(type(p).__name__ == "DTensor" for p in model.parameters())
 
 
 def warn_untested(model: nn.Module) -> None:
