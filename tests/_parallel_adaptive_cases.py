@@ -15,7 +15,7 @@ from adaptive_mem import DeviceMemory, adaptive_optimize
 from adaptive_mem.runtime._accounting import host_allocations
 
 from _adaptive_common import bundle, optimizer
-from _spawn import guard
+from _spawn import gloo_rank, guard
 
 __all__ = ["STEPS", "TIMEOUT", "worker"]
 
@@ -115,11 +115,7 @@ def _pipeline(*, rank: int, budget: int | None) -> dict[str, Any]:
 
 
 def worker(rank: int, world: int, port: int, out: str, cache_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT))
-    results: dict = {}
-    try:
+    with gloo_rank(rank, world, port, out, timeout=TIMEOUT) as results:
         guard(results, "plain", lambda: _train(rank=rank, cap=None, budget=None))
         peak = max(results["plain"].get("peaks") or [0])
         peak = dist.broadcast_object_list(box := [peak], src=0) or box[0]
@@ -136,7 +132,3 @@ def worker(rank: int, world: int, port: int, out: str, cache_dir: str) -> None:
         stage_peak = torch.tensor(max(results["pp-plain"].get("peaks") or [0]))
         dist.all_reduce(stage_peak, op=dist.ReduceOp.MAX)  # one budget for both stages: their plans still differ
         guard(results, "pp", lambda: _pipeline(rank=rank, budget=int(0.6 * int(stage_peak))))
-        torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

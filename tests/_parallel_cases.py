@@ -6,7 +6,6 @@ gradient, local shard, differs), and case-specific figures (``offloaded``, ``exp
 
 from __future__ import annotations
 
-import datetime
 from typing import Any, Callable
 
 import torch
@@ -17,7 +16,7 @@ from torch import nn
 from adaptive_mem import build_model, optimize
 from search import Plan
 
-from _spawn import guard
+from _spawn import gloo_rank, guard
 
 __all__ = ["PLANS", "worker"]
 
@@ -106,11 +105,7 @@ def _data_parallel(results: dict, rank: int, layout: str, wrap: Callable[[nn.Mod
 
 # ------------------------------------------------------------------------------------------ entry
 def worker(rank: int, world: int, port: int, out: str, groups: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT))
-    results: dict = {}
-    try:
+    with gloo_rank(rank, world, port, out, timeout=TIMEOUT) as results:
         if "ddp" in groups:
             _data_parallel(results, rank, "ddp", _ddp)
         if "fsdp" in groups:
@@ -124,7 +119,3 @@ def worker(rank: int, world: int, port: int, out: str, groups: list[str]) -> Non
             from _parallel_pp import pipeline_parallel
 
             pipeline_parallel(results, rank, guard=guard, plan=_plan, bundle=_bundle, compare=_compare)
-        torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

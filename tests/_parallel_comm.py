@@ -5,19 +5,17 @@ backward, bytes held after forward, the sharded layer inputs)."""
 
 from __future__ import annotations
 
-import datetime
 import logging
 from functools import partial
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_mem import DeviceMemory, optimize
 from search import Plan
 
-from _spawn import guard
+from _spawn import gloo_rank, guard
 
 __all__ = ["KEEP_COMMS", "TIMEOUT", "worker"]
 
@@ -124,13 +122,5 @@ def _cases(results: dict, rank: int, *, guard: Callable, bundle: Callable, local
 def worker(rank: int, world: int, port: int, out: str) -> None:
     from _parallel_cases import _bundle, _grads, _local
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT))
-    results: dict = {}
-    try:
+    with gloo_rank(rank, world, port, out, timeout=TIMEOUT) as results:
         _cases(results, rank, guard=guard, bundle=_bundle, local=_local, grads=_grads)
-        torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

@@ -7,9 +7,8 @@ same layout."""
 
 from __future__ import annotations
 
-import datetime
 import random
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from torch import nn
 from adaptive_mem import AdaptiveBudgetError, DeviceMemory, adaptive_optimize, build_model
 from adaptive_mem.runtime._accounting import host_allocations
 
-from _spawn import guard
+from _spawn import gloo_rank, guard
 
 __all__ = ["LAYOUTS", "ORDERS", "STEPS", "TIMEOUT", "FAULTS", "worker"]
 
@@ -34,29 +33,12 @@ def _bundle():
     return build_model("llama-tiny", seed=0, batch_size=2, seq_len=32)
 
 
-def _ddp(model: nn.Module) -> nn.Module:
-    from torch.nn.parallel import DistributedDataParallel
-
-    return DistributedDataParallel(model)
-
-
-def _fsdp(model: nn.Module) -> nn.Module:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
-def _tp(model: nn.Module) -> nn.Module:
+def _wrap(layout: str, model: nn.Module) -> nn.Module:
+    """``model`` laid out as ``layout`` (``adaptive_mem.models.parallelize``: DDP, ``fully_shard`` per layer and the
+    root, DTensor tensor parallel)."""
     from adaptive_mem.models import Parallel, parallelize
 
-    return parallelize(model, layout=Parallel("tp", dist.get_world_size()), batch_size=2).module
-
-
-WRAP: dict[str, Callable[[nn.Module], nn.Module]] = {"ddp": _ddp, "fsdp": _fsdp, "tp": _tp}
+    return parallelize(model, layout=Parallel(layout, dist.get_world_size()), batch_size=2).module
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -90,7 +72,7 @@ def _train(layout: str, *, rank: int, order: str | None, budget: int | None, fau
     model, am = b.model, None
     if order == "before":
         am = adaptive_optimize(model, budget=budget, optimizer="sgd", cache=False)
-    model = WRAP[layout](model)
+    model = _wrap(layout, model)
     if built is not None:
         built["model"] = model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -145,7 +127,7 @@ def _profile(layout: str) -> dict[str, Any]:
     import profiler
 
     b = _bundle()
-    model = WRAP[layout](b.model)
+    model = _wrap(layout, b.model)
     ids, _ = b.batch(seed=0)
     prof = profiler.profile_step(model, inputs=(ids,), loss_fn=lambda m, inputs: _local(m(*inputs)).sum(),
                                  optimizer="sgd", warmup=0, repeat=0, record=1, optimizer_time=0.0)
@@ -175,14 +157,6 @@ def _layout(results: dict, rank: int, layout: str) -> None:
 
 
 def worker(rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=TIMEOUT))
-    results: dict = {}
-    try:
+    with gloo_rank(rank, world, port, out, timeout=TIMEOUT) as results:
         for layout in LAYOUTS:
             _layout(results, rank, layout)
-        torch.save(results, f"{out}/rank{rank}.pt")
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()

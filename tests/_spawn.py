@@ -6,17 +6,19 @@ twice that, then its processes are killed and the test fails.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import socket
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "guard", "spawn_ranks"]
+__all__ = ["free_port", "gloo_rank", "guard", "spawn_ranks"]
 
 
 def free_port() -> int:
@@ -50,3 +52,21 @@ def guard(results: dict, name: str, fn: Callable[[], dict]) -> None:
     except Exception as exc:  # recorded for the parent's assertion, with where it was raised
         results[name] = {"error": f"{type(exc).__name__}: {exc}"[:600], "trace": traceback.format_exc()[-1500:]}
     dist.barrier()
+
+
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int, out: str, *, timeout: float) -> Iterator[dict]:
+    """This spawned rank in a gloo group on the local ``port`` (every collective with ``timeout`` seconds, one intra-op
+    thread): yields the results dict, saved as ``out/rank{rank}.pt`` when the cases end, then the group goes."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout))
+    results: dict = {}
+    try:
+        yield results
+        torch.save(results, f"{out}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

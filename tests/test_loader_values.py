@@ -21,7 +21,7 @@ PROFILE_KEYS = [
     ("ops", 0, "saved_bytes"), ("ops", 0, "output_bytes"), ("ops", 0, "fwd_time"), ("ops", 0, "bwd_time"),
     ("ops", 0, "flops"), ("units", 0, "saved_bytes"), ("units", 0, "output_bytes"), ("units", 0, "fwd_time"),
     ("units", 0, "bwd_time"), ("static", "parameters"), ("static", "buffers"), ("static", "gradients"),
-    ("static", "optimizer_state"), ("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
+    ("static", "other"), ("static", "optimizer_state"), ("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
     ("hardware", "h2d_bandwidth"), ("hardware", "d2h_bandwidth"), ("hardware", "device_memory"),
     ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("hardware", "disk_bandwidth"),
     ("saved_input_bytes",),
