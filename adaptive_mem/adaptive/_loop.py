@@ -106,6 +106,8 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self._kind = "adapt"
         self._solved: dict[int, Any] = {}
         self._min_needed = 0
+        self._overshoot: tuple[int, str] | None = None
+        """Bytes the last profiled step went past the budget with every swappable activation swapped, and why."""
         self.batch: AdaptiveBatch | None = None
         """With ``--adaptive-batch-size``: the micro-batch size and accumulation steps the training loop uses."""
         self._handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),

@@ -72,6 +72,11 @@ class StepMeasurement:
             self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
         self._step_model = model = StepModel.build(prof, host_budget=host.limit)
         needed, what = minimum_budget(model)
+        if self._overshoot is not None:  # Note: [profile past the budget]: measured, not simulated
+            over, largest = self._overshoot
+            needed = self.budget + over
+            what = f"the profiled step went {_fmt(over)} past the budget with every swappable activation on the " \
+                   f"host; {largest}"
         needed = self.ranks.reduce_max([needed])[0]  # every DP rank refuses, or none does
         if needed > self.budget:
             raise AdaptiveBudgetError(
@@ -87,7 +92,15 @@ class StepMeasurement:
 
     def _take_profile(self, args: tuple, kwargs: dict) -> Any:
         """The live step profiled on its inputs, with what the device holds beside it (Note: [other device
-        memory]) measured through the loop's hook."""
+        memory]) measured through the loop's hook.
+
+        Note: [profile past the budget] under data parallelism the profiled step runs collectives (FSDP2's gathers,
+        DDP's all-reduce): a rank that ran out of memory in it, even with every swappable activation swapped, would
+        leave the others waiting in a collective. Where the budget is a cap the loop can lift (``DeviceMemory`` on
+        CPU), the step then goes on past it to the end and the overshoot is measured: every rank ends the profile,
+        and all of them refuse together, naming what was needed (tests/test_parallel_adaptive_layouts.py, budgets
+        below the minimum, FSDP2). A device's own capacity cannot be lifted: there the profile fails as the step
+        would."""
         import profiler
 
         hardware = None
@@ -96,6 +109,7 @@ class StepMeasurement:
             with host_allocations():
                 hardware = profiler.hardware_spec("cpu", dtype=dtype)
         self._busy += 1
+        self._overshoot = None
         moved0 = self.manager.stats.first_out_bytes
         try:
             prof = profiler.profile_step(self.model, inputs=args, loss_fn=self._profile_loss(kwargs),
@@ -112,6 +126,7 @@ class StepMeasurement:
                 f"tensor: {what}, {_fmt(size)}): {exc}") from None
         finally:
             self._busy -= 1
+            self.hook.restore_cap()
         self.profiles_run += 1
         buckets = wrapper_memory(self.model, around=True).buckets
         if buckets > prof.static.other:  # Note: [DDP gradient buckets]: held beside the step, seen or not
@@ -176,6 +191,10 @@ class StepMeasurement:
     def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
         if self.manager._no_rescue:
             return None  # a prefetch that does not fit: it waits for its use
+        if self._busy and self.hook.lift_cap():  # Note: [profile past the budget]
+            size, what = self.manager.largest_unswappable()
+            self._overshoot = (needed, f"largest unswappable tensor: {what}, {_fmt(size)}")
+            return None
         return self.manager.exhausted(needed, budget if budget is not None else self.budget)
 
     def _parallel(self) -> dict[str, Any]:

@@ -52,6 +52,14 @@ class OomHook:
         """Bytes the device may hold, when known."""
         return None
 
+    def lift_cap(self) -> bool:
+        """Let the step go past the budget from now on (a measurement that must finish on every rank, Note: [profile
+        past the budget]); False where the limit is the device's own and cannot be lifted."""
+        return False
+
+    def restore_cap(self) -> None:
+        """Undo :meth:`lift_cap`."""
+
     def headroom(self) -> int | None:
         cap, live = self.capacity(), self.live()
         return None if cap is None or live is None else cap - live

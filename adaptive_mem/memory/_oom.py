@@ -77,6 +77,19 @@ class AccountedHook(OomHook):
     def capacity(self) -> int | None:
         return self.memory.cap if self.memory is not None else None
 
+    def lift_cap(self) -> bool:
+        if self.memory is None or self.memory.cap is None:
+            return False
+        self._lifted = self.memory, self.memory.cap
+        self.memory.cap = None
+        return True
+
+    def restore_cap(self) -> None:
+        lifted, self._lifted = getattr(self, "_lifted", None), None
+        if lifted is not None:
+            memory, cap = lifted
+            memory.cap = cap
+
     def remove(self) -> None:
         if self.memory is not None and self._hook in self.memory.on_oom:
             self.memory.on_oom.remove(self._hook)
