@@ -110,6 +110,14 @@ def _section(true, noisy, tmp_path, **kw):
     return section, worker
 
 
+def _true_row(profiles, batch, budget):
+    """Tokens/s of the MILP's plan at ``batch`` on ``profiles``, and at its lower bound: the MILP stops within a
+    gap of its bound, and where in it depends on its time limits, so a row is checked against both."""
+    (row,) = maximize_throughput(profiles=profiles, batch_sizes=[batch], budget=budget).rows
+    stats = row.result.stats
+    return row.tokens_per_second, row.tokens_per_second * row.step_time / stats.lower_bound
+
+
 def test_section_aligns_the_profiles_to_paired_plain_steps(tiny_profiles, tmp_path):
     from adaptive_mem.bench._throughput import format_throughput
 
@@ -129,11 +137,11 @@ def test_section_aligns_the_profiles_to_paired_plain_steps(tiny_profiles, tmp_pa
     lo, hi = sizes[4]["interval"]
     true_ratio = keep_all_step_time(true[4]) / keep_all_step_time(true[2])
     assert lo <= sizes[4]["measured_ratio"] <= hi and hi - lo < 0.01 and abs(sizes[4]["measured_ratio"] / true_ratio - 1) < 0.004
-    # the predicted table is the true profiles' (within that noise), not the noisy ones'
-    want = {r.batch_size: r.tokens_per_second for r in maximize_throughput(
-        profiles=true, batch_sizes=[1, 2, 3, 4], budget=section["memory_bytes"]).rows}
+    # the predicted table is the true profiles' (within that noise), not the noisy ones' (batch 4 would be 8 %
+    # slower): each row between the true profiles' plan and their lower bound, the MILP's own gap allowed for
     for row in section["ours_predicted"]:
-        assert row["tokens_per_s"] == pytest.approx(want[row["batch_size"]], rel=0.005)
+        found, best = _true_row(true, row["batch_size"], section["memory_bytes"])
+        assert found * (1 - 0.03) <= row["tokens_per_s"] <= best * (1 + 0.005)
     text = format_throughput(section)
     assert ("ours' profiles aligned to plain steps timed in one process, 12 paired rounds (step time relative to "
             "batch 2, median and its 95 % interval):") in text
