@@ -112,7 +112,7 @@ def _section(true, noisy, tmp_path, **kw):
 
 def _true_row(profiles, batch, budget):
     """Tokens/s of the MILP's plan at ``batch`` on ``profiles``, and at its lower bound: the MILP stops within a
-    gap of its bound, and where in it depends on its time limits, so a row is checked against both."""
+    gap of its bound, and where in it depends on its time limits, so a row is checked between the two."""
     (row,) = maximize_throughput(profiles=profiles, batch_sizes=[batch], budget=budget).rows
     stats = row.result.stats
     return row.tokens_per_second, row.tokens_per_second * row.step_time / stats.lower_bound
@@ -157,9 +157,10 @@ def test_section_alignment_failed_keeps_the_profiles_and_says_so(tiny_profiles, 
     assert section["profile_alignment"] == {"status": "failed", "error": "worker died: plain steps", "rounds": 12}
     assert [r.getMessage() for r in caplog.records] == [
         "throughput: the profiles are not aligned (the plain steps in paired rounds failed: worker died: plain steps)"]
-    want = {r.batch_size: r.tokens_per_second for r in maximize_throughput(
-        profiles=noisy, batch_sizes=[1, 2, 3, 4], budget=section["memory_bytes"]).rows}
-    assert {r["batch_size"]: r["tokens_per_s"] for r in section["ours_predicted"]} == want
+    assert [r["batch_size"] for r in section["ours_predicted"]] == [1, 2, 3, 4]
+    for row in section["ours_predicted"]:  # the noisy profiles as they came (batch 4's 8 % slower)
+        found, best = _true_row(noisy, row["batch_size"], section["memory_bytes"])
+        assert found * (1 - 0.03) <= row["tokens_per_s"] <= best * (1 + 0.005)
     assert ("ours' profiles not aligned: the plain steps in paired rounds failed: worker died: plain steps"
             in format_throughput(section))
 
