@@ -33,7 +33,7 @@ def test_demo_profiles_plans_trains_and_reports(tmp_path, capsys):
     assert "predicted vs measured: peak" in text
     assert (out / "report.md").read_text() == render_report(results)
     assert (out / "pareto.png").exists() and (out / "profile.json").exists()
-    # #17: the throughput table at the plain model's measured peak, batch sizes 1-4
+    # the throughput table at the plain model's measured peak, batch sizes 1-4
     section = results["throughput"]
     assert section["batch_sizes"] == [1, 2, 3, 4] and section["memory_bytes"] > 0
     rows = {r["name"]: r for r in section["rows"]}
