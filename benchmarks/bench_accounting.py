@@ -1,6 +1,6 @@
 """What device-memory accounting and the plan machinery cost on CPU, and how well a small step is predicted.
 
-    python benchmarks/bench_accounting.py                 # the issue-16 targets (minutes on one thread)
+    python benchmarks/bench_accounting.py                 # the accounting targets (minutes on one thread)
     python benchmarks/bench_accounting.py --repeats 3 --quick
 
 One torch thread. Each case alternates its variants step by step (interleaved rounds, so machine

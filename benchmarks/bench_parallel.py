@@ -1,4 +1,4 @@
-"""Measured parallel runs (issue #15): DDP and a 2-stage 1F1B pipeline on 2 gloo ranks, our plan against full
+"""Measured parallel runs: DDP and a 2-stage 1F1B pipeline on 2 gloo ranks, our plan against full
 recompute at full recompute's measured per-rank peak, and our predicted per-rank (per-stage) peak against the
 measured one.
 

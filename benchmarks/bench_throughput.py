@@ -1,4 +1,4 @@
-"""Throughput mode (#17): the micro-batch size and the plan chosen together, at a fixed device memory.
+"""Throughput mode: the micro-batch size and the plan chosen together, at a fixed device memory.
 
     python benchmarks/bench_throughput.py [--batch-sizes 1-16] [--dp 1] [--profiles DIR] [--json FILE]
 

@@ -1,4 +1,4 @@
-"""#17 ``--adaptive-batch-size``: the micro-batch grows under the budget, the global batch's gradients stay exact."""
+"""``--adaptive-batch-size``: the micro-batch grows under the budget, the global batch's gradients stay exact."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""#17: profiles of different batch sizes aligned to plain steps timed in paired rounds (Note: [aligned profiles])."""
+"""Profiles of different batch sizes aligned to plain steps timed in paired rounds (Note: [aligned profiles])."""
 
 from __future__ import annotations
 

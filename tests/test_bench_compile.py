@@ -1,4 +1,4 @@
-"""#14 in the bench: ``compile`` runs inductor by default (``--compile-backend``), ``ours-milp+compile`` (planned on
+"""Compile in the bench: ``compile`` runs inductor by default (``--compile-backend``), ``ours-milp+compile`` (planned on
 the profile of the model compiled per block, applied, the whole model compiled unless the plan swaps) and its rows
 matched to compile's peaks."""
 

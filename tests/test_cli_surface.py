@@ -14,45 +14,28 @@ COMMON = {"--debug", "--log-level", "-h", "--help"}
 # subcommand -> its flags (option strings, without the common ones); positionals as "<name>".
 EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
-                "--optimizer", "-o", "--output", "--top", "--calibrate"},
-    "demo": {"--out", "--model"},
+                "--optimizer", "-o", "--output", "--calibrate", "--compile", "--top",
+                "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
+                "--micro-batches", "--sequence-parallel", "--zero", "--schedule"},
+    "demo": {"--out", "--model", "--compile-backend", "--throughput"},
     "explain": {"--model", "--model-args", "--config", "--recompute-activations", "--recompute-granularity",
                 "--recompute-method", "--recompute-num-layers", "--distribute-saved-activations"},
     "units": {"--model", "--model-args", "--profile"},
     "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
-               "--micro-batches", "-o", "--output", "--format"},
+               "--micro-batches", "-o", "--output", "--format", "--maximize", "--batch-sizes", "--model",
+               "--model-args", "--tensor-parallel", "--virtual-pipeline-stages", "--data-parallel",
+               "--sequence-parallel", "--zero", "--schedule"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
     "pareto": {"<profile>", "--hardware", "--solvers", "--points", "-o", "--output"},
     "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
             "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
             "--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache",
-            "--host-memory-budget"},
+            "--adaptive-batch-size", "--host-memory-budget", "--compile", "--nproc", "--parallel",
+            "--micro-batches"},
     "bench": {"--model", "--model-args", "--batch-size", "--seq-len", "--budgets", "--policies", "--out", "--steps",
-              "--warmup", "--repeats", "--threads", "--timeout", "--simulate", "--simulate-only", "--match",
-              "--no-match"},
+              "--warmup", "--repeats", "--match", "--no-match", "--compile-backend", "--threads", "--timeout",
+              "--simulate", "--throughput", "--paired-rounds", "--simulate-only"},
 }
-
-# #17 throughput mode (added flags; the sets above are unchanged)
-EXPECTED["search"] = EXPECTED["search"] | {"--maximize", "--batch-sizes", "--model", "--model-args"}
-EXPECTED["run"] = EXPECTED["run"] | {"--adaptive-batch-size"}
-EXPECTED["bench"] = EXPECTED["bench"] | {"--throughput", "--paired-rounds"}
-# #14 compile per block (added flag)
-EXPECTED["run"] = EXPECTED["run"] | {"--compile"}
-# #14 profile, bench and demo for compiled models (added flags)
-EXPECTED["profile"] = EXPECTED["profile"] | {"--compile"}
-EXPECTED["bench"] = EXPECTED["bench"] | {"--compile-backend"}
-EXPECTED["demo"] = EXPECTED["demo"] | {"--compile-backend"}
-# #17 the demo's throughput table (added flag)
-EXPECTED["demo"] = EXPECTED["demo"] | {"--throughput"}
-
-# #15 parallel layouts planned without the ranks (profile and search; search already had the two pipeline flags)
-LAYOUT = {"--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
-          "--sequence-parallel", "--zero", "--micro-batches", "--schedule"}
-EXPECTED["profile"] = EXPECTED["profile"] | LAYOUT
-EXPECTED["search"] = EXPECTED["search"] | LAYOUT
-
-# #15 parallel runs: run spawns its own ranks (tests/test_parallel_launch.py)
-EXPECTED["run"] = EXPECTED["run"] | {"--nproc", "--parallel", "--micro-batches"}
 
 
 def _surface() -> dict[str, set[str]]:

@@ -1,4 +1,4 @@
-"""#14: ours + compile under a whole-model ``torch.compile``.
+"""Ours + compile under a whole-model ``torch.compile``.
 
 Note: [first forward outside dynamo] (adaptive_mem/runtime/_apply.py): a plan naming op-level units, applied
 without ``profile=``/``example_inputs=``, then ``torch.compile(model)``: 0 graph breaks, exact, and a bad name

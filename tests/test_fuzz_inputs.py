@@ -1,4 +1,4 @@
-"""Fuzz (issue #19): mutated profile JSON, plan YAML and MindFormers YAML never give a traceback.
+"""Fuzz: mutated profile JSON, plan YAML and MindFormers YAML never give a traceback.
 
 Each example mutates a valid file (a value of another type, a sign, NaN/inf, a huge number, a key
 deleted or added, a container retyped, a YAML alias, a duplicate key, bytes that are not UTF-8, an
@@ -292,7 +292,7 @@ def _edit(tree, path, value):
 
 
 HUGE_LITERAL = "9" * 5000
-PROFILE_CASES = [  # (edit of the profile text, the one line it now gives)
+PROFILE_CASES = [  # (edit of the profile text, the one line it gives)
     (lambda t, d: "", "empty; expected a JSON profile"),
     (lambda t, d: "[" * 100_000, "nested too deeply; expected a JSON profile"),
     (lambda t, d: t.replace('"num_layers": 4', f'"num_layers": {HUGE_LITERAL}'), "a number of more than 4300 digits"),
@@ -319,7 +319,7 @@ def _plan_text(tree, path, value) -> str:
     return yaml.safe_dump(_edit(tree, path, value), sort_keys=False)
 
 
-PLAN_CASES = [  # (plan text from the valid plan tree, the one line it now gives)
+PLAN_CASES = [  # (plan text from the valid plan tree, the one line it gives)
     (lambda d: "", "empty; expected a mapping with format: adaptive-mem-plan"),
     (lambda d: "a: " + "[" * 1_000, "nested too deeply"),
     (lambda d: f"format: adaptive-mem-plan\nversion: {HUGE_LITERAL}\n", "a number of more than 4300 digits"),
@@ -357,7 +357,7 @@ def test_plan_bytes_that_are_not_utf8_are_a_plan_error(tmp_path):
         Plan.load(path)
 
 
-CONFIG_CASES = [  # (config text, the one line it now gives)
+CONFIG_CASES = [  # (config text, the one line it gives)
     (b"recompute_config:\n  recompute: true\n\xff\xfe\n", "not UTF-8 text; expected a MindFormers YAML"),
     (b"a: " + b"[" * 1_000, "nested too deeply; expected a MindFormers YAML"),
     (f"model: {{model_config: {{num_layers: {HUGE_LITERAL}}}}}\n".encode(), "a number of more than 4300 digits"),

@@ -1,4 +1,4 @@
-"""``adaptive-mem profile | search | run`` on every Hugging Face family (issue #13): the tool chain a user
+"""``adaptive-mem profile | search | run`` on every Hugging Face family: the tool chain a user
 runs on a model spec, end to end, in process. The searched plan must change something and run."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Parallel layouts planned without the ranks (issue #15, part C): flags, schedules, sharding, ZeRO, CLI."""
+"""Parallel layouts planned without the ranks: flags, schedules, sharding, ZeRO, CLI."""
 
 from __future__ import annotations
 

@@ -85,7 +85,7 @@ def test_profile_model_parameters_is_checked(profile_dict, value):
 
 
 def test_search_on_a_profile_with_negative_bytes_names_the_key(tmp_path, profile_dict, capsys):
-    """The issue's case: edited byte counts used to load and end in "no plan fits"."""
+    """Edited byte counts are refused at load, naming the key, instead of ending in "no plan fits"."""
     data = copy.deepcopy(profile_dict)
     for unit in data["units"]:
         unit["saved_bytes"] = -unit["saved_bytes"] - 1

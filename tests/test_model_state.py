@@ -218,8 +218,8 @@ class _CachingLM(nn.Module):
 
 @pytest.mark.parametrize("how", ["config", "plan-traced-at-first-forward", "plan-with-example-inputs"])
 def test_a_model_caching_tensors_in_forward_keeps_them_real(how):
-    # every trace (config names, unit check, selective-checkpoint pass) used to run the user's own modules
-    # under FakeTensorMode: the cache was filled with a FakeTensor and the real step then ran on it
+    # no trace (config names, unit check, selective-checkpoint pass) may run the user's own modules under
+    # FakeTensorMode: the cache would hold a FakeTensor and the real step would then run on it
     plan = {"format": "adaptive-mem-plan", "version": 1, "decisions": {f"layers.{i}.relu": "recompute" for i in range(3)}}
     kwargs = {"config": {"recompute_config": {"select_recompute": {"relu": True}}}} if how == "config" else {"plan": plan}
     if how == "plan-with-example-inputs":
@@ -237,7 +237,7 @@ def test_a_model_caching_tensors_in_forward_keeps_them_real(how):
 
 def test_the_real_tensor_pass_of_a_data_dependent_layer_runs_on_a_copy(caplog):
     # where fake tensors cannot run the layer, the selective-checkpoint pass runs it once for real: on a copy,
-    # so the user's hooks and modules see only the real step (they used to see the pass, fake tensors first)
+    # so the user's hooks and modules see only the real step (never the pass, nor its fake tensors)
     plan = {"format": "adaptive-mem-plan", "version": 1, "decisions": {f"layers.{i}.relu": "recompute" for i in range(3)}}
     _, _, ref = _step(_CachingLM(data_dependent=True), seed=1)
     model = _CachingLM(data_dependent=True)

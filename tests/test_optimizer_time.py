@@ -59,7 +59,7 @@ def test_simulator_adds_the_optimizer_step_to_every_plan():
         assert delta == pytest.approx(prof.optimizer_time, rel=1e-9, abs=1e-15)
 
 
-def test_optimizer_time_round_trips_and_old_profiles_load_as_zero():
+def test_optimizer_time_round_trips_and_a_profile_without_it_loads_as_zero():
     prof = profiler.profile_step(build_model("llama-tiny", device="meta"), hardware="h100")
     data = prof.to_dict()
     assert profiler.Profile.from_dict(data).optimizer_time == prof.optimizer_time

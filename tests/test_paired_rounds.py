@@ -1,4 +1,4 @@
-"""#17: ours' top three batches ranked by paired rounds in one process (Note: [paired rounds])."""
+"""Ours' top three batches ranked by paired rounds in one process (Note: [paired rounds])."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Communication recompute under tensor parallel (issue #15): plans and configs act on the collectives a DTensor
+"""Communication recompute under tensor parallel: plans and configs act on the collectives a DTensor
 layout issues in a layer (Note: [collective units]), and Megatron's --distribute-saved-activations shards the saved
 layer input over the tensor-parallel group (Note: [TP group]). 2 gloo ranks spawned once for the file (every
 collective and the spawn with a timeout); loss and every gradient (local shards) ``torch.equal`` to the same layout

@@ -1,4 +1,4 @@
-"""The pipelining runtime's own memory per stage (issue #15): Note: [pipelining buffers] in search/_pipeline.py."""
+"""The pipelining runtime's own memory per stage: Note: [pipelining buffers] in search/_pipeline.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""#14: the profile of a model compiled per block: what each compiled block saves (pack hook around the compiled
+"""The profile of a model compiled per block: what each compiled block saves (pack hook around the compiled
 call) and its times, for keep and full recompute, and the per-op figures rewritten to the compiled model."""
 
 from __future__ import annotations

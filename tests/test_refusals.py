@@ -1,4 +1,4 @@
-"""Issue #19: requests that used to pass silently (or end in a traceback) are refused with one line."""
+"""Requests that a looser parser would accept silently (or end in a traceback) are refused with one line."""
 
 from __future__ import annotations
 

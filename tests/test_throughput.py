@@ -1,4 +1,4 @@
-"""#17 throughput mode: the batch size and plan chosen together, batch scaling, the CLI and the plan's batch size."""
+"""Throughput mode: the batch size and plan chosen together, batch scaling, the CLI and the plan's batch size."""
 
 from __future__ import annotations
 

@@ -151,18 +151,45 @@ def _cpu_estimate(func: Any, args: tuple, kwargs: dict) -> tuple[Any, float]:
 def _solve(bundle: Any, optimizer: torch.optim.Optimizer, job: dict[str, Any]) -> tuple[dict, dict]:
     """PyTorch's estimators on a fake-tensor copy of this model and step (their designed use), then
     sac_milp under the budget; op times are measured on this CPU by :func:`_cpu_estimate`."""
-    import copy
-
-    from torch.distributed._tools.ilp_utils import aggregate_stats, get_peak_memory_runtime_baseline, parse_module_info
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
-    from torch.distributed._tools.sac_estimator import SACEstimator
+    from torch.distributed._tools.ilp_utils import get_peak_memory_runtime_baseline, parse_module_info
     from torch.distributed._tools.sac_ilp import sac_milp
 
     from adaptive_mem._model_spec import build_model
 
     fb = build_model(job["spec"], model_args=job.get("model_args"), batch_size=bundle.batch_size,
                      seq_len=bundle.seq_len, dtype=bundle.dtype, device="meta", seed=int(job.get("seed", 0)))
+    model = fb.model
+    module_info, sac = _estimate(fb)
+    _dedupe_order(module_info)
+    graph = parse_module_info(module_info)
+    info_fixes = _sanitize(graph)
+    baseline_peak, _ = get_peak_memory_runtime_baseline(graph)
+    prefix = type(model).__name__ + "."
+    names = {id(m): prefix + n for n, m in model.named_modules()}
+    layers = [names[id(layer)] for layer in layers_of(model)]
+    budget_gib = int(job["sac_budget_bytes"]) / 2**30
+    ac, recompute_ms, peak = sac_milp(graph, memory_budget=budget_gib, world_size=1, ac_units=layers)
+    info = {"sac_milp_budget_bytes": int(job["sac_budget_bytes"]), "sac_milp_baseline_peak_bytes": int(baseline_peak),
+            "sac_milp_peak_bytes": int(peak), "sac_milp_recompute_ms": recompute_ms,
+            "discard": {k: float(v) for k, v in ac.items()}, "feasible": peak != -1,
+            "degenerate_tradeoff_curves": info_fixes}
+    if peak == -1:
+        log.warning("sac_milp found no solution under %.3f GiB; running without checkpointing", budget_gib)
+    decisions = {fqn: (_sac_decisions(sac.sac_mod_stats[fqn], 1.0 - r), r) for fqn, r in ac.items()
+                 if fqn in sac.sac_mod_stats}
+    return decisions, info
+
+
+def _estimate(fb: Any) -> tuple[dict, Any]:
+    """Memory, runtime and SAC statistics of two fake training steps of ``fb``; the module info sac_milp
+    reads and the SAC estimator."""
+    import copy
+
+    from torch.distributed._tools.ilp_utils import aggregate_stats
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.distributed._tools.runtime_estimator import RuntimeEstimator
+    from torch.distributed._tools.sac_estimator import SACEstimator
+
     model = fb.model
     with fb.mode():
         opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -197,24 +224,7 @@ def _solve(bundle: Any, optimizer: torch.optim.Optimizer, job: dict[str, Any]) -
             loss = fb.loss(batch)
         loss.backward()
         module_info = aggregate_stats(model, tracker, runtime, sac, torch.device("cpu"))
-    _dedupe_order(module_info)
-    graph = parse_module_info(module_info)
-    info_fixes = _sanitize(graph)
-    baseline_peak, _ = get_peak_memory_runtime_baseline(graph)
-    prefix = type(model).__name__ + "."
-    names = {id(m): prefix + n for n, m in model.named_modules()}
-    layers = [names[id(layer)] for layer in layers_of(model)]
-    budget_gib = int(job["sac_budget_bytes"]) / 2**30
-    ac, recompute_ms, peak = sac_milp(graph, memory_budget=budget_gib, world_size=1, ac_units=layers)
-    info = {"sac_milp_budget_bytes": int(job["sac_budget_bytes"]), "sac_milp_baseline_peak_bytes": int(baseline_peak),
-            "sac_milp_peak_bytes": int(peak), "sac_milp_recompute_ms": recompute_ms,
-            "discard": {k: float(v) for k, v in ac.items()}, "feasible": peak != -1,
-            "degenerate_tradeoff_curves": info_fixes}
-    if peak == -1:
-        log.warning("sac_milp found no solution under %.3f GiB; running without checkpointing", budget_gib)
-    decisions = {fqn: (_sac_decisions(sac.sac_mod_stats[fqn], 1.0 - r), r) for fqn, r in ac.items()
-                 if fqn in sac.sac_mod_stats}
-    return decisions, info
+    return module_info, sac
 
 
 def _dedupe_order(module_info: dict) -> None:

@@ -260,14 +260,42 @@ def run_bench(config: BenchConfig, *, progress: bool = True, profile: Any = None
 
 
 def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
-    import profiler
-    from tqdm import tqdm
-
-    from adaptive_mem.adaptive._calibrate import calibrate
     from adaptive_mem._model_spec import build_model
 
     bundle = build_model(config.spec, model_args=config.model_args, batch_size=config.batch_size,
                          seq_len=config.seq_len, seed=config.seed)
+    profile, ctx = _profiles(config, bundle, profile)
+    tokens = bundle.batch_size * bundle.seq_len
+    rows = _rows(config, ctx)
+    measured = _measure(config, ctx, rows, progress)
+    runs = [row if job is None else merge_repeats(row, measured[k], tokens) for k, (row, job) in enumerate(rows)]
+    model = ctx.model
+    match = config.match and ("ours-milp" in config.policies or "ours-milp+compile" in config.policies)
+    return {
+        "format": RESULTS_FORMAT,
+        "version": RESULTS_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": config.command,
+        "machine": {**_machine(), "threads_per_run": config.threads},
+        "model": {"spec": config.spec, "model_args": config.model_args, "batch_size": bundle.batch_size,
+                  "seq_len": bundle.seq_len, "dtype": str(bundle.dtype).removeprefix("torch."),
+                  "tokens_per_step": tokens, "num_layers": profile.num_layers,
+                  "static_bytes": profile.static.total, "base_bytes": model.base,
+                  "predicted_unoptimized_peak_bytes": ctx.unoptimized_peak},
+        "settings": {"budgets": list(config.budgets), "policies": list(config.policies), "steps": config.steps,
+                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed,
+                     "match": match, "compile_backend": config.compile_backend},
+        "runs": runs,
+    }
+
+
+def _profiles(config: BenchConfig, bundle: Any, profile: Any) -> tuple[Any, PrepareContext]:
+    """The profile the plans are searched on (made and calibrated unless given), saved in ``config.out``, and
+    the prepare context; with a policy that plans on the compiled model, its compiled profile too."""
+    import profiler
+
+    from adaptive_mem.adaptive._calibrate import calibrate
+
     if profile is None:
         log.info("profiling %s (batch %d x seq %d) for the predictions and plans", config.spec, bundle.batch_size,
                  bundle.seq_len)
@@ -281,8 +309,15 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
         compiled = profiler.profile_compiled(bundle, profile, backend=config.compile_backend)
         compiled.save(config.out / "profile-compiled.json")
         ctx.compiled = PrepareContext(compiled, config.out)
-    tokens = bundle.batch_size * bundle.seq_len
-    rows = _rows(config, ctx)
+    return profile, ctx
+
+
+def _measure(config: BenchConfig, ctx: PrepareContext, rows: list, progress: bool) -> list[list[dict[str, Any]]]:
+    """Run every row's job ``config.repeats`` times, each in its own worker; the results per row.
+
+    The competitors' peaks run first; the matched rows searched at them are appended to ``rows``."""
+    from tqdm import tqdm
+
     measured: list[list[dict[str, Any]]] = [[] for _ in rows]
     match = config.match and "ours-milp" in config.policies
     match_compiled = config.match and "ours-milp+compile" in config.policies
@@ -316,16 +351,7 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
                 offset = whole_model_offset(ctx.compiled, rows, measured)
                 extra += _matched_rows(config, ctx.compiled, rows, measured, compiled_first, "ours-milp+compile",
                                        compiled_calibrators, offset)
-            start = len(rows)
-            rows += extra
-            measured += [[] for _ in extra]
-            bar.total += config.repeats * sum(job is not None for _, job in extra)
-            bar.refresh()
-            log.info("matched rows: ours at %d competitor peaks", len(extra))
-            for k in range(start, len(rows)):
-                if rows[k][1] is not None:
-                    _fit_matched(k, rows, measured, execute, config, ctx, bar)
-                    first.append(k)
+            _run_matched(extra, rows, measured, execute, config, ctx, bar, first)
         done_first = set(first)
         execute([k for r in range(config.repeats) for k, (_, job) in enumerate(rows)
                  if job is not None and not (r == 0 and k in done_first)])
@@ -333,21 +359,19 @@ def _run(config: BenchConfig, progress: bool, profile: Any) -> dict[str, Any]:
         workdir.rmdir()
     except OSError:
         pass
-    runs = [row if job is None else merge_repeats(row, measured[k], tokens) for k, (row, job) in enumerate(rows)]
-    model = ctx.model
-    return {
-        "format": RESULTS_FORMAT,
-        "version": RESULTS_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": config.command,
-        "machine": {**_machine(), "threads_per_run": config.threads},
-        "model": {"spec": config.spec, "model_args": config.model_args, "batch_size": bundle.batch_size,
-                  "seq_len": bundle.seq_len, "dtype": str(bundle.dtype).removeprefix("torch."),
-                  "tokens_per_step": tokens, "num_layers": profile.num_layers,
-                  "static_bytes": profile.static.total, "base_bytes": model.base,
-                  "predicted_unoptimized_peak_bytes": ctx.unoptimized_peak},
-        "settings": {"budgets": list(config.budgets), "policies": list(config.policies), "steps": config.steps,
-                     "warmup": config.warmup, "repeats": config.repeats, "seed": config.seed,
-                     "match": match or match_compiled, "compile_backend": config.compile_backend},
-        "runs": runs,
-    }
+    return measured
+
+
+def _run_matched(extra: list, rows: list, measured: list, execute: Any, config: BenchConfig, ctx: PrepareContext,
+                 bar: Any, first: list[int]) -> None:
+    """Append the matched rows and run each once, fitted to its competitor's peak; they count as run first."""
+    start = len(rows)
+    rows += extra
+    measured += [[] for _ in extra]
+    bar.total += config.repeats * sum(job is not None for _, job in extra)
+    bar.refresh()
+    log.info("matched rows: ours at %d competitor peaks", len(extra))
+    for k in range(start, len(rows)):
+        if rows[k][1] is not None:
+            _fit_matched(k, rows, measured, execute, config, ctx, bar)
+            first.append(k)

@@ -61,7 +61,7 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
         raise ValueError(f"repeats={repeats!r}: expected a positive integer")
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ValueError(f"rounds={rounds!r}: expected a non-negative integer")
-    from search import InfeasibleBudgetError, fmt_bytes, maximize_throughput, scaling_error
+    from search import InfeasibleBudgetError, maximize_throughput
 
     base = int(profile.model["batch_size"])
     profiles = {base: profile, **(more_profiles or {})}
@@ -73,35 +73,65 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     if rounds and len(profiles) > 1:
         profiles, alignment = align_to_paired_steps(profiles, reference=base, job=job("none", base), rounds=rounds,
                                                     spawn=spawn)
-    rows = []
-    for label, name in POLICIES:
-        tried = []
-        for b in batch_sizes:
-            extra = {"budget": _compile_fraction(profiles, b, memory)} if name == "compile" else {}
-            result = reference if (name == "none" and b == base) else spawn(job(name, b, **extra))
-            fits = result.get("status") == "ok" and result["peak_bytes"] <= memory
-            tried.append({"batch_size": b, "status": result.get("status"), "peak_bytes": result.get("peak_bytes"),
-                          "tokens_per_s": result.get("tokens_per_s"), "fits": fits, **extra})
-            if not fits:
-                break  # a larger batch holds more
-        best = max((t for t in tried if t["fits"]), key=lambda t: t["batch_size"], default=None)
-        row = {"policy": label, "name": name, "largest_batch": best and best["batch_size"],
-               "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"], "tried": tried}
-        if best is not None:
-            args = {"budget": best["budget"]} if name == "compile" else {}
-            more = _interleaved([lambda: job(name, best["batch_size"], **args)], repeats - 1, spawn)[0]
-            runs = _summary([best] + more)
-            row.update(tokens_per_s=runs["tokens_per_s"], peak_bytes=runs["peak_bytes"], error=runs["error"],
-                       runs_tokens_per_s=runs["runs_tokens_per_s"], spread=runs["spread"])
-        rows.append(row)
+    rows = [_policy_row(label, name, profiles=profiles, batch_sizes=batch_sizes, base=base, reference=reference,
+                        memory=memory, job=job, spawn=spawn, repeats=repeats) for label, name in POLICIES]
+    head = {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
+            "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows}
     try:
         result = maximize_throughput(profiles=profiles, batch_sizes=batch_sizes, budget=memory)
     except InfeasibleBudgetError as exc:
         rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": None,
                      "tokens_per_s": None, "peak_bytes": None, "error": str(exc)})
-        return {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-                "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows, "ours_predicted": [],
-                "profile_alignment": alignment}
+        return {**head, "ours_predicted": [], "profile_alignment": alignment}
+    section, plans, process_best = _ours(result, head, profiles=profiles, memory=memory, job=job, spawn=spawn,
+                                         out=out, repeats=repeats)
+    section["profile_alignment"] = alignment
+    checked = section["ours_top_predicted"]
+    if rounds and len(checked) > 1 and all(c["status"] == "ok" for c in checked):
+        batch = result.best[0]
+        section["ours_paired"] = _paired(job("ours-milp", batch, plan=plans[0]), checked, plans, rounds, spawn)
+        if section["ours_paired"]["status"] == "ok":  # the paired rounds' ranking replaces the processes'
+            paired = section["ours_paired"]
+            section.update(predicted_best_is_measured_best=paired["measured_best"] == batch,
+                           ours_ranking=paired["ranking"], ours_measured_gap=paired["gap"],
+                           ranking_from="paired rounds", process_ranking=section["ours_ranking"],
+                           process_gap=section["ours_measured_gap"], process_best=process_best)
+    return section
+
+
+def _policy_row(label: str, name: str, *, profiles: dict[int, Any], batch_sizes: list[int], base: int,
+                reference: dict[str, Any], memory: int, job: Callable[..., dict[str, Any]],
+                spawn: Callable[[dict[str, Any]], dict[str, Any]], repeats: int) -> dict[str, Any]:
+    """One competitor's row: the batch sizes tried in order up to the first that does not fit under ``memory``,
+    the largest that fits run ``repeats`` times in all (medians)."""
+    tried = []
+    for b in batch_sizes:
+        extra = {"budget": _compile_fraction(profiles, b, memory)} if name == "compile" else {}
+        result = reference if (name == "none" and b == base) else spawn(job(name, b, **extra))
+        fits = result.get("status") == "ok" and result["peak_bytes"] <= memory
+        tried.append({"batch_size": b, "status": result.get("status"), "peak_bytes": result.get("peak_bytes"),
+                      "tokens_per_s": result.get("tokens_per_s"), "fits": fits, **extra})
+        if not fits:
+            break  # a larger batch holds more
+    best = max((t for t in tried if t["fits"]), key=lambda t: t["batch_size"], default=None)
+    row = {"policy": label, "name": name, "largest_batch": best and best["batch_size"],
+           "tokens_per_s": best and best["tokens_per_s"], "peak_bytes": best and best["peak_bytes"], "tried": tried}
+    if best is not None:
+        args = {"budget": best["budget"]} if name == "compile" else {}
+        more = _interleaved([lambda: job(name, best["batch_size"], **args)], repeats - 1, spawn)[0]
+        runs = _summary([best] + more)
+        row.update(tokens_per_s=runs["tokens_per_s"], peak_bytes=runs["peak_bytes"], error=runs["error"],
+                   runs_tokens_per_s=runs["runs_tokens_per_s"], spread=runs["spread"])
+    return row
+
+
+def _ours(result: Any, head: dict[str, Any], *, profiles: dict[int, Any], memory: int,
+          job: Callable[..., dict[str, Any]], spawn: Callable[[dict[str, Any]], dict[str, Any]], out: Path,
+          repeats: int) -> tuple[dict[str, Any], list[str], int | None]:
+    """Ours' row and the section: the three predicted best (batch, plan) pairs saved and run interleaved,
+    ``repeats`` times each, ranked by their process medians."""
+    from search import fmt_bytes, scaling_error
+
     batch, solved = result.best
     path = out / "plans" / "throughput-ours.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,11 +147,11 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
                for row, runs in zip(ranked, _interleaved(makers, repeats, spawn))]
     chosen = checked[0]
     ok = chosen["status"] == "ok"
-    rows.append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": batch,
-                 "tokens_per_s": chosen["tokens_per_s"], "peak_bytes": chosen["peak_bytes"],
-                 "runs_tokens_per_s": chosen["runs_tokens_per_s"], "spread": chosen["spread"],
-                 "fits": ok and chosen["peak_bytes"] <= memory, "error": chosen["error"],
-                 "predicted_tokens_per_s": result.best_row.tokens_per_second, "plan": str(path)})
+    head["rows"].append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": batch,
+                         "tokens_per_s": chosen["tokens_per_s"], "peak_bytes": chosen["peak_bytes"],
+                         "runs_tokens_per_s": chosen["runs_tokens_per_s"], "spread": chosen["spread"],
+                         "fits": ok and chosen["peak_bytes"] <= memory, "error": chosen["error"],
+                         "predicted_tokens_per_s": result.best_row.tokens_per_second, "plan": str(path)})
     predicted = [{"batch_size": r.batch_size, "source": r.source, "fits": r.fits, "step_time": r.step_time,
                   "tokens_per_s": r.tokens_per_second, "peak_bytes": r.peak_bytes, "note": r.note}
                  for r in result.rows]
@@ -129,22 +159,11 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
     best_measured = max((c for c in checked if c["tokens_per_s"] is not None), key=lambda c: c["tokens_per_s"],
                         default=None)
     ranking, gap = _ranking(checked)
-    section = {"memory_bytes": memory, "memory_from": f"measured peak of no plan at batch {base}",
-               "batch_sizes": batch_sizes, "seq_len": seq_len, "repeats": repeats, "rows": rows,
-               "ours_predicted": predicted, "ours_top_predicted": checked, "profiled_sizes": sorted(profiles),
+    section = {**head, "ours_predicted": predicted, "ours_top_predicted": checked, "profiled_sizes": sorted(profiles),
                "scaling_checks": [c.describe() for c in scaling_error(profiles)],
                "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
-               "ours_ranking": ranking, "ours_measured_gap": gap, "ranking_from": "processes",
-               "profile_alignment": alignment}
-    if rounds and len(checked) > 1 and all(c["status"] == "ok" for c in checked):
-        section["ours_paired"] = _paired(job("ours-milp", batch, plan=plans[0]), checked, plans, rounds, spawn)
-        if section["ours_paired"]["status"] == "ok":
-            paired = section["ours_paired"]
-            section.update(predicted_best_is_measured_best=paired["measured_best"] == batch,
-                           ours_ranking=paired["ranking"], ours_measured_gap=paired["gap"],
-                           ranking_from="paired rounds", process_ranking=ranking, process_gap=gap,
-                           process_best=best_measured and best_measured["batch_size"])
-    return section
+               "ours_ranking": ranking, "ours_measured_gap": gap, "ranking_from": "processes"}
+    return section, plans, best_measured and best_measured["batch_size"]
 
 
 def _paired(base: dict[str, Any], checked: list[dict[str, Any]], plans: list[str], rounds: int,

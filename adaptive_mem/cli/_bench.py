@@ -83,8 +83,39 @@ def _positive(flag: str, value: int, minimum: int = 1) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaptive_mem.bench import BenchConfig, get_policy, run_bench, simulate_targets, write_outputs
+    from adaptive_mem.bench import BenchConfig, run_bench, simulate_targets, write_outputs
     from adaptive_mem.bench._results import RESULTS_FORMAT, RESULTS_VERSION
+
+    budgets, policies, throughput, out = _check_arguments(args)
+    command = "adaptive-mem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
+    config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
+                         model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
+                         steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
+                         timeout=args.timeout, match=args.match, command=command,
+                         compile_backend=args.compile_backend,
+                         paired_rounds=BenchConfig.paired_rounds if args.paired_rounds is None else args.paired_rounds)
+    if policies and not args.simulate_only:
+        results = run_bench(config)
+    else:
+        results = {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "command": command, "runs": [],
+                   "model": {}, "machine": {}, "settings": {}, "created": ""}
+    if throughput is not None:
+        from adaptive_mem.bench._throughput import format_throughput, run_throughput
+
+        results["throughput"] = run_throughput(config, throughput)
+        print(format_throughput(results["throughput"]))
+    if args.simulate:
+        results["simulated"] = simulate_targets(hardware=args.simulate, progress=True)
+    paths = write_outputs(results, out)
+    _print_summary(results)
+    for name, path in paths.items():
+        print(f"wrote {path}")
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace):
+    """Refuse bad flags before any work: the budgets, policy names, throughput batch sizes and output folder."""
+    from adaptive_mem.bench import get_policy
 
     budgets = parse_budgets(args.budgets)
     if args.compile_backend not in COMPILE_BACKENDS:
@@ -92,14 +123,7 @@ def run(args: argparse.Namespace) -> int:
     policies = tuple(p.strip() for p in args.policies.split(",") if p.strip())
     for name in policies:
         get_policy(name)
-    throughput = None
-    if args.throughput is not None:
-        from search import parse_batch_sizes
-
-        throughput = parse_batch_sizes(args.throughput, key="--throughput")
-        if args.simulate_only:
-            raise ValueError(f"--throughput={args.throughput!r} with --simulate-only: expected one of them "
-                             "(the throughput table is measured)")
+    throughput = _throughput_sizes(args)
     if not policies and not args.simulate_only and throughput is None:
         raise ValueError(f"--policies={args.policies!r}: expected comma-separated policy names")
     _positive("--steps", args.steps, 5)
@@ -120,30 +144,19 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out={args.out!r}: exists and is not a directory")
-    command = "adaptive-mem " + " ".join(shlex.quote(a) for a in sys.argv[1:]) if sys.argv[1:] else ""
-    if args.simulate_only or not policies:
-        results = {"format": RESULTS_FORMAT, "version": RESULTS_VERSION, "command": command, "runs": [],
-                   "model": {}, "machine": {}, "settings": {}, "created": ""}
-    config = BenchConfig(spec=args.model, budgets=budgets, policies=policies, out=out,
-                         model_args=args.model_args, batch_size=args.batch_size, seq_len=args.seq_len,
-                         steps=args.steps, warmup=args.warmup, repeats=args.repeats, threads=args.threads,
-                         timeout=args.timeout, match=args.match, command=command,
-                         compile_backend=args.compile_backend,
-                         paired_rounds=BenchConfig.paired_rounds if args.paired_rounds is None else args.paired_rounds)
-    if policies and not args.simulate_only:
-        results = run_bench(config)
-    if throughput is not None:
-        from adaptive_mem.bench._throughput import format_throughput, run_throughput
+    return budgets, policies, throughput, out
 
-        results["throughput"] = run_throughput(config, throughput)
-        print(format_throughput(results["throughput"]))
-    if args.simulate:
-        results["simulated"] = simulate_targets(hardware=args.simulate, progress=True)
-    paths = write_outputs(results, out)
-    _print_summary(results)
-    for name, path in paths.items():
-        print(f"wrote {path}")
-    return 0
+
+def _throughput_sizes(args: argparse.Namespace) -> list[int] | None:
+    if args.throughput is None:
+        return None
+    from search import parse_batch_sizes
+
+    throughput = parse_batch_sizes(args.throughput, key="--throughput")
+    if args.simulate_only:
+        raise ValueError(f"--throughput={args.throughput!r} with --simulate-only: expected one of them "
+                         "(the throughput table is measured)")
+    return throughput
 
 
 def _print_summary(results: dict) -> None:

@@ -74,13 +74,28 @@ def _forward_backward(bundle, batch, adaptive_batch) -> torch.Tensor:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaptive_mem.runtime._accounting import DeviceMemory
-    from adaptive_mem._model_spec import build_model
-    from adaptive_mem._optimize import OptimizeHandle, optimize
     from ._run_parallel import check_parallel, run_parallel
 
     if check_parallel(args):
         return run_parallel(args)
+    cap = _check_arguments(args)
+    loaded, batch_size = _load_plan(args)
+    bundle = _build(args, batch_size, cap)
+    model = bundle.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
+    handle, cap = _apply(args, bundle, opt, loaded, cap)
+    trained = _train(args, bundle, opt, handle, cap)
+    if trained is None:
+        return 1
+    times, losses, peak, how = trained
+    warm = min(2, len(times) - 1) if cap is None else 0  # the first steps create the optimizer state
+    _report(args, bundle, handle, times[warm:], losses, peak, how)
+    return 0
+
+
+def _check_arguments(args: argparse.Namespace) -> int | None:
+    """Refuse contradictory flags before anything is built; the CPU device's cap in bytes, if given."""
     if args.steps <= 0:
         raise ValueError(f"--steps={args.steps}: expected a positive integer")
     if args.plan is not None and args.config is not None:
@@ -90,15 +105,26 @@ def run(args: argparse.Namespace) -> int:
         from adaptive_mem.runtime._compile_blocks import compile_options
 
         compile_options(args.compile, key="--compile")
-    loaded = None
-    batch_size = args.batch_size
-    if args.plan is not None:
-        from search import Plan
+    return cap
 
-        loaded = Plan.load(args.plan)
-        if batch_size is None and loaded.model.get("batch_size") is not None:
-            batch_size = loaded.model["batch_size"]  # the plan's batch size (throughput mode chose it)
-            log.info("batch size %d from the plan %s (--batch-size overrides)", batch_size, args.plan)
+
+def _load_plan(args: argparse.Namespace):
+    """The ``--plan`` file (or None) and the batch size to build: ``--batch-size``, else the plan's, else None."""
+    if args.plan is None:
+        return None, args.batch_size
+    from search import Plan
+
+    loaded = Plan.load(args.plan)
+    batch_size = args.batch_size
+    if batch_size is None and loaded.model.get("batch_size") is not None:
+        batch_size = loaded.model["batch_size"]  # the plan's batch size (throughput mode chose it)
+        log.info("batch size %d from the plan %s (--batch-size overrides)", batch_size, args.plan)
+    return loaded, batch_size
+
+
+def _build(args: argparse.Namespace, batch_size: int | None, cap: int | None):
+    from adaptive_mem._model_spec import build_model
+
     bundle = build_model(args.model, model_args=args.model_args, batch_size=batch_size, seq_len=args.seq_len,
                          dtype=args.dtype, device=args.device, seed=args.seed)
     if bundle.is_fake:
@@ -106,10 +132,16 @@ def run(args: argparse.Namespace) -> int:
     if cap is not None and bundle.device.type != "cpu":
         raise ValueError(f"--device-memory-cap on {bundle.device}: expected --device cpu (accelerators have their "
                          "own capacity)")
+    return bundle
+
+
+def _apply(args: argparse.Namespace, bundle, opt, loaded, cap: int | None):
+    """Whatever the flags ask for on the model: the memory flags, a plan or config, or a per-block compile.
+
+    Returns the handle (None for the plain model) and the cap, which a CPU run's --memory-budget sets."""
+    from adaptive_mem._optimize import optimize
+
     model = bundle.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
-    handle = None
     if (args.adaptive_memory_optimization or args.memory_plan or args.memory_budget or args.memory_plan_cache
             or args.adaptive_batch_size):
         from adaptive_mem._flags import apply_arguments
@@ -118,23 +150,31 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--memory-plan with --plan/--config: expected one of them")
         if args.memory_budget and cap is None and bundle.device.type == "cpu":
             cap = parse_bytes(args.memory_budget, flag="--memory-budget")  # the budget is the CPU device's size
-        handle = apply_arguments(model, args, optimizer=opt, global_batch=bundle.batch_size)
-    elif args.plan is not None or args.config is not None:
+        return apply_arguments(model, args, optimizer=opt, global_batch=bundle.batch_size), cap
+    if args.plan is not None or args.config is not None:
         plan = args.plan
         if plan is not None:  # refuse a plan for other inputs before it logs anything as applied
             from adaptive_mem.runtime._apply import check_inputs
 
             plan = loaded
             check_inputs(plan, model, bundle.batch(seed=args.seed), {})
-        handle = optimize(model, plan=plan, config=args.config, host_store=args.host_store,
-                          host_memory_budget=args.host_memory_budget, compile=args.compile)
-    elif args.compile is not None:
+        return optimize(model, plan=plan, config=args.config, host_store=args.host_store,
+                        host_memory_budget=args.host_memory_budget, compile=args.compile), cap
+    if args.compile is not None:
         from adaptive_mem.runtime._compile_blocks import compile_blocks
 
         log.info("no --plan or --config: training the plain model, compiled per block")
-        handle = compile_blocks(model, args.compile, key="--compile")
-    else:
-        log.info("no --plan or --config: training the plain model")
+        return compile_blocks(model, args.compile, key="--compile"), cap
+    log.info("no --plan or --config: training the plain model")
+    return None, cap
+
+
+def _train(args: argparse.Namespace, bundle, opt, handle, cap: int | None):
+    """Train ``--steps`` steps; the step times, losses, peak device memory and how the steps were timed.
+
+    Out of device memory, it prints the step it happened at and returns None; the handle is removed either way."""
+    from adaptive_mem.runtime._accounting import DeviceMemory
+
     on_cpu = bundle.device.type == "cpu"
     # Note: [run timing] the C++ allocator hook counts at no measurable cost: every step is accounted.
     # Only the dispatch-mode fallback taxes every op (more so for plans that run more ops): then, without
@@ -168,25 +208,36 @@ def run(args: argparse.Namespace) -> int:
             del loss
     except torch.OutOfMemoryError as exc:
         print(f"adaptive-mem run: out of device memory at step {len(times)}: {exc}", file=sys.stderr)
-        return 1
+        return None
     finally:
         if mem is not None:
             mem.__exit__(None, None, None)
             peak = mem.peak
-        if handle is not None:
-            stats = handle.swap_stats
-            if stats is not None:
-                log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes; "
-                         "%d bytes spilled to disk", stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads,
-                         stats.wait_seconds, handle.host_bytes, stats.spilled_bytes)
-            if not isinstance(handle, OptimizeHandle):  # a plan's summary was logged when it was applied
-                log.info("%s", handle.summary())
-            handle.remove()
+        _close(handle)
     if not on_cpu:
         peak = torch.accelerator.max_memory_allocated()
-    warm = min(2, len(times) - 1) if cap is None else 0  # the first steps create the optimizer state
-    timed = times[warm:]
     how = "synchronized" if not on_cpu else ("accounted" if accounted_steps >= len(times) else "untracked")
+    return times, losses, peak, how
+
+
+def _close(handle) -> None:
+    """Log what the handle swapped (and the adaptive loop's summary), then remove it from the model."""
+    from adaptive_mem._optimize import OptimizeHandle
+
+    if handle is None:
+        return
+    stats = handle.swap_stats
+    if stats is not None:
+        log.info("swapped %d bytes out, %d back; %d late reloads (%.3f s waiting); host pool %d bytes; "
+                 "%d bytes spilled to disk", stats.offloaded_bytes, stats.reloaded_bytes, stats.late_reloads,
+                 stats.wait_seconds, handle.host_bytes, stats.spilled_bytes)
+    if not isinstance(handle, OptimizeHandle):  # a plan's summary was logged when it was applied
+        log.info("%s", handle.summary())
+    handle.remove()
+
+
+def _report(args: argparse.Namespace, bundle, handle, timed: list[float], losses: list[float], peak: int,
+            how: str) -> None:
     shown = args.plan or args.config or args.memory_plan or ("adaptive" if args.adaptive_memory_optimization else "none")
     if args.compile is not None:
         shown += f"  compile: {args.compile} (per block)"
@@ -196,7 +247,6 @@ def run(args: argparse.Namespace) -> int:
     if adaptive_batch is not None:
         print(f"micro-batch: {adaptive_batch.micro_batch} x {adaptive_batch.accumulation_steps} accumulation steps "
               f"(global batch {adaptive_batch.global_batch}, --adaptive-batch-size)")
-    print(f"steps: {len(times)}  loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(f"steps: {len(losses)}  loss: {losses[0]:.4f} -> {losses[-1]:.4f}")
     print(f"peak device memory: {peak} bytes ({peak / 2**20:.1f} MiB)")
     print(f"median step time: {statistics.median(timed):.4f} s (over {len(timed)} {how} steps)")
-    return 0
