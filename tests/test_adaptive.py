@@ -130,14 +130,19 @@ def test_single_flag_applies_the_adaptive_loop(tmp_path):
     assert apply_arguments(b.model, _args([])) is None
 
 
-def test_optimize_with_a_budget_is_the_adaptive_loop_and_excludes_a_manual_plan():
+def test_two_entries_one_return_type_each_and_a_manual_plan_excludes_the_loop():
     b = bundle()
-    with adaptive_mem.optimize(b.model, budget="9MB", cache=False) as handle:
+    with adaptive_optimize(b.model, budget="9MB", cache=False) as handle:
         assert isinstance(handle, adaptive_mem.AdaptiveMemory) and handle.budget == 9_000_000
         with pytest.raises(ValueError, match="already applied"):
             adaptive_optimize(b.model, budget=9_000_000)
-    with pytest.raises(ValueError, match="budget= without plan="):
-        adaptive_mem.optimize(b.model, budget="9MB", plan={"format": "adaptive-mem-plan", "version": 1})
+    for extra in ({}, {"plan": {"format": "adaptive-mem-plan", "version": 1}}):
+        with pytest.raises(adaptive_mem.OptimizeArgumentError) as info:
+            adaptive_mem.optimize(b.model, budget="9MB", **extra)
+        assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+        assert str(info.value) == ("optimize: budget='9MB': optimize applies a fixed plan; expected "
+                                   "adaptive_mem.adaptive_optimize(model, budget=...) for the adaptive loop")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in b.model.modules())
     manual = {"format": "adaptive-mem-plan", "version": 1, "decisions": {"layers.1": "recompute"}}
     with adaptive_mem.optimize(b.model, plan=manual):
         with pytest.raises(ValueError, match="already has a plan applied"):
