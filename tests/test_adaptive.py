@@ -41,7 +41,8 @@ def test_sixty_percent_budget_ooms_without_the_flag_and_trains_exactly_with_it(r
         assert am.history[0].kind == "warmup" and am.history[0].rescues > 0, "the warm-up step needed rescues"
         assert am.plan is not None and am.plan.decisions, "a plan was applied"
         # Note: [profile under rescue]: the profile describes the plain step, not the budget it ran under
-        assert am._profile.peak_memory == pytest.approx(peak, rel=0.1), (am._profile.peak_memory, peak)
+        profiled = am.profiler.profile.peak_memory
+        assert profiled == pytest.approx(peak, rel=0.1), (profiled, peak)
     text = caplog.text
     assert "profiled the model" in text and "warm-up done: applying the plan" in text and "converged at target" in text
     assert not b.model._forward_pre_hooks and not b.model._forward_hooks, "remove() left hooks behind"
@@ -56,7 +57,7 @@ def test_converged_plan_is_within_ten_percent_of_the_offline_milp_plan(ref, tmp_
     opt = optimizer(b.model)
     with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
         peaks = train(b, opt, STEPS, cap=budget)
-        model: StepModel = am._step_model
+        model: StepModel = am.planner.step_model
         offline = get_solver("milp").solve(Problem(model, budget))
         adaptive = simulate(model, am.plan)
         assert am.converged

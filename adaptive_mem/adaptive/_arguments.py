@@ -1,0 +1,36 @@
+"""``adaptive_optimize``'s arguments, checked before anything is applied to the model: the budget, the solver,
+the tolerance, and a model that already carries a plan or the loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from adaptive_mem.runtime._apply import _APPLIED
+
+__all__ = ["check_arguments"]
+
+
+def check_arguments(model: nn.Module, *, budget: Any, solver: str, tolerance: float) -> int | None:
+    """``budget`` in bytes (None: the device capacity, found at the first step); ValueError for a bad argument."""
+    from search._budget import parse_bytes
+
+    if isinstance(budget, str):
+        budget = parse_bytes(budget, key="--memory-budget")
+    elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+        raise ValueError(f"--memory-budget={budget!r}: expected a positive number of bytes or a size like 12GiB")
+    if solver != "milp":
+        from search import solver_names
+
+        if solver not in solver_names():
+            raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
+    if not 0 < tolerance < 1:
+        raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
+    applied = _APPLIED.get(model)
+    if applied is not None and applied() is not None and applied().active:
+        raise ValueError("adaptive memory optimization: the model already has a plan applied (a manual recompute/"
+                         "swap config); expected one of them: remove() its handle first")
+    if getattr(model, "_adaptive_memory", None) is not None:
+        raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
+    return budget
