@@ -1,5 +1,5 @@
 """``adaptive_optimize``'s arguments, checked before anything is applied to the model: the budget, the solver,
-the tolerance, and a model that already carries a plan or the loop."""
+the tolerance, and a model that already carries a plan or the loop (the mark the loop leaves on its model)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,20 @@ from torch import nn
 
 from adaptive_mem.runtime._apply import _APPLIED
 
-__all__ = ["check_arguments"]
+__all__ = ["check_arguments", "mark", "unmark"]
+
+_MARK = "_adaptive_memory"
+"""The attribute of a model under the adaptive loop: its ``AdaptiveMemory`` (one loop per model)."""
+
+
+def mark(model: nn.Module, loop: Any) -> None:
+    setattr(model, _MARK, loop)
+
+
+def unmark(model: nn.Module, loop: Any) -> None:
+    """Take ``loop``'s mark off ``model`` (a later loop's mark stays)."""
+    if getattr(model, _MARK, None) is loop:
+        delattr(model, _MARK)
 
 
 def check_arguments(model: nn.Module, *, budget: Any, solver: str, tolerance: float) -> int | None:
@@ -31,6 +44,6 @@ def check_arguments(model: nn.Module, *, budget: Any, solver: str, tolerance: fl
     if applied is not None and applied() is not None and applied().active:
         raise ValueError("adaptive memory optimization: the model already has a plan applied (a manual recompute/"
                          "swap config); expected one of them: remove() its handle first")
-    if getattr(model, "_adaptive_memory", None) is not None:
+    if getattr(model, _MARK, None) is not None:
         raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
     return budget

@@ -34,7 +34,7 @@ from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
 from adaptive_mem.runtime._apply import apply_plan
 from ._adapt import decide, describe_pending
-from ._arguments import check_arguments
+from ._arguments import check_arguments, mark, unmark
 from ._batch import AdaptiveBatch
 from ._entry import hooks_before, run_again_then_first
 from adaptive_mem.runtime._spill import HostBudget, as_host_budget
@@ -109,7 +109,7 @@ class AdaptiveMemory:
         self._handles = [self.model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
                          self.model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
-        self.model._adaptive_memory = self
+        mark(self.model, self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -181,8 +181,7 @@ class AdaptiveMemory:
             self._handle = None
         self.manager.close()
         self.hook.remove()
-        if getattr(self.model, "_adaptive_memory", None) is self:
-            del self.model._adaptive_memory
+        unmark(self.model, self)
 
     def __enter__(self) -> "AdaptiveMemory":
         return self
@@ -311,9 +310,9 @@ class AdaptiveMemory:
         host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
         if self.batch is not None:  # --adaptive-batch-size: the next global batch's micro-batch
             self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
-        self.planner.use(StepModel.build(prof, host_budget=host.limit))
-        needed = self.refusals.check_minimum(self.planner.step_model, self.budget, self.profiler.overshoot)
-        self.planner.min_needed = needed
+        step_model = StepModel.build(prof, host_budget=host.limit)
+        needed = self.refusals.check_minimum(step_model, self.budget, self.profiler.overshoot)
+        self.planner.use(step_model, min_needed=needed)
         tol = max(1, int(self.tolerance * self.budget))
         state.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
@@ -354,7 +353,7 @@ class AdaptiveMemory:
         return headroom(self.hook, self.budget)
 
     def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
-        if self.manager._no_rescue:
+        if self.manager.prefetching:
             return None  # a prefetch that does not fit: it waits for its use
         if self.profiler.past_budget(needed):  # Note: [profile past the budget]
             return None

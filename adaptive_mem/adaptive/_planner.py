@@ -27,9 +27,10 @@ class Planner:
         """The smallest target the profiled step can run under (bytes, the DP group's largest); 0 before it."""
         self._solved: dict[int, Plan] = {}
 
-    def use(self, step_model: Any) -> None:
-        """Plan on ``step_model`` from now on."""
+    def use(self, step_model: Any, *, min_needed: int) -> None:
+        """Plan on ``step_model`` from now on; ``min_needed``: the smallest target it runs under."""
         self.step_model = step_model
+        self.min_needed = min_needed
 
     def forget(self) -> None:
         """Drop the plans solved so far (a new input shape)."""
