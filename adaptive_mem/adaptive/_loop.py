@@ -77,7 +77,8 @@ class AdaptiveMemory:
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         warn_untested(model)
         self.manager = SwapManager(model, device=self.device, host_budget=host_budget)
-        self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
+        self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator,
+                                       exhausted=self._exhausted)
         self.refusals = BudgetRefusals(model, hook=self.hook, manager=self.manager, ranks=self.ranks)
         self.profiler = StepProfiler(model, device=self.device, hook=self.hook, manager=self.manager,
                                      refusals=self.refusals, optimizer=optimizer, loss_fn=loss_fn)
@@ -100,12 +101,9 @@ class AdaptiveMemory:
         self._connect()
 
     def _connect(self) -> None:
-        """Hook the loop into the model, the SwapManager and the out-of-memory hook."""
+        """Hook the loop into the model and the SwapManager."""
         self.manager.headroom = self._headroom
         self.manager.engines = self._plan_engines
-        self.hook.exhausted = self._exhausted
-        if hasattr(self.hook, "mode"):
-            self.hook.mode.exhausted = self._exhausted
         self._handles = [self.model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
                          self.model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
