@@ -8,7 +8,7 @@ from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_min
 from adaptive_mem.runtime._accounting import DeviceMemory
 from adaptive_mem.runtime._summary import PlanSummary
 from adaptive_mem.runtime._functions import adapt_mem_func_wrapper, wrap_function
-from ._optimize import OptimizeHandle, optimize
+from ._optimize import OptimizeArgumentError, OptimizeHandle, optimize
 from adaptive_mem.memory._swap_manager import SwapExhaustedError, SwapManager
 from adaptive_mem.memory._hook import OomHook
 from adaptive_mem.memory._oom import RetryOnOom
@@ -18,7 +18,7 @@ from adaptive_mem.adaptive._calibrate import calibrate
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
-           "DeviceMemory", "OptimizeHandle", "PlanSummary", "optimize",
+           "DeviceMemory", "OptimizeArgumentError", "OptimizeHandle", "PlanSummary", "optimize",
            "add_memory_arguments", "apply_arguments", "SwapManager", "SwapExhaustedError", "OomHook", "RetryOnOom",
            "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate",
            "wrap_function", "adapt_mem_func_wrapper"]

@@ -119,8 +119,6 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     plan (default the world group under ``torch.distributed``; a pipeline stage passes its own).
     """
     adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
-    budget = getattr(args, "memory_budget", None)
-    cache_dir = getattr(args, "memory_plan_cache", None)
     batch = _adaptive_batch(args, adaptive, global_batch)
     host = getattr(args, "host_memory_budget", None)
     if host is not None:
@@ -133,23 +131,35 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
 
         compile_options(compile_, key="--compile")  # a bad backend fails before anything is applied
     if adaptive:
-        if compile_ is not None:
-            raise ValueError(f"--adaptive-memory-optimization with --compile {compile_}: incompatible (the adaptive "
-                             "loop profiles the eager model); expected one of them")
-        recompute = _recompute_flag(args)
-        if recompute is not None:
-            raise ValueError(f"--adaptive-memory-optimization with {recompute}: incompatible (the adaptive plan "
-                             "decides recompute itself, as in MindSpeed where it excludes full recompute); "
-                             "expected one of them")
-        manual = _manual_plan(args)
-        if manual is not None:
-            raise ValueError(f"--adaptive-memory-optimization with {manual}: incompatible (a manual plan or swap "
-                             "config fixes what the adaptive loop would choose); expected one of them")
+        _check_adaptive(args, compile_)
         from adaptive_mem.adaptive._loop import adaptive_optimize
 
-        return adaptive_optimize(model, budget=budget, optimizer=optimizer, cache_dir=cache_dir, loss_fn=loss_fn,
-                                 batch=batch, host_memory_budget=host, dp_group=dp_group)
-    for value, flag in ((budget, "--memory-budget"), (cache_dir, "--memory-plan-cache")):
+        return adaptive_optimize(model, budget=getattr(args, "memory_budget", None), optimizer=optimizer,
+                                 cache_dir=getattr(args, "memory_plan_cache", None), loss_fn=loss_fn, batch=batch,
+                                 host_memory_budget=host, dp_group=dp_group)
+    return _apply_fixed(model, args, host, compile_)
+
+
+def _check_adaptive(args: argparse.Namespace, compile_: str | None) -> None:
+    """The flags the adaptive loop excludes (as in MindSpeed), refused before anything is applied."""
+    if compile_ is not None:
+        raise ValueError(f"--adaptive-memory-optimization with --compile {compile_}: incompatible (the adaptive "
+                         "loop profiles the eager model); expected one of them")
+    recompute = _recompute_flag(args)
+    if recompute is not None:
+        raise ValueError(f"--adaptive-memory-optimization with {recompute}: incompatible (the adaptive plan "
+                         "decides recompute itself, as in MindSpeed where it excludes full recompute); "
+                         "expected one of them")
+    manual = _manual_plan(args)
+    if manual is not None:
+        raise ValueError(f"--adaptive-memory-optimization with {manual}: incompatible (a manual plan or swap "
+                         "config fixes what the adaptive loop would choose); expected one of them")
+
+
+def _apply_fixed(model: nn.Module, args: argparse.Namespace, host: Any, compile_: str | None) -> Any:
+    """Without the adaptive flag: ``--memory-plan``, Megatron's recompute flags, ``--compile`` alone, or nothing."""
+    for flag in ("--memory-budget", "--memory-plan-cache"):
+        value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "
                              "(a fixed plan takes --memory-plan FILE)")

@@ -299,6 +299,56 @@ def _maybe(mode: Any) -> contextlib.AbstractContextManager:
 _FACTORY = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
+def _target(device: str) -> tuple[torch.device, Any]:
+    """The torch device of ``device`` and, on ``meta``, the fake-tensor mode the model is built under."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelSpecError(f"device={device!r}: expected cpu, meta, cuda[:N] or another torch device") from None
+    if target.type != "meta":
+        return target, None
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return target, FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _build(spec: str, args: dict, batch_size: int | None, seq_len: int | None,
+           is_preset: bool) -> ModelBundle | tuple[nn.Module, int, int, int]:
+    """``(model, batch_size, seq_len, vocab)`` of ``spec``; a factory's own :class:`ModelBundle` as it is."""
+    if is_preset:
+        return _build_preset(spec, args, batch_size, seq_len)
+    seq_len = _DEFAULT_SEQ if seq_len is None else seq_len
+    batch_size = _DEFAULT_BATCH if batch_size is None else batch_size
+    if spec.startswith("hf:"):
+        model, vocab = _build_hf(spec, spec[3:], args, seq_len)
+        return model, batch_size, seq_len, vocab
+    built = _build_factory(spec, args)
+    if isinstance(built, ModelBundle):
+        log.info("model spec %s: factory returned a ModelBundle; its sizes, dtype and device are used", spec)
+        return built
+    vocab = _vocab_size(built)
+    if vocab <= 0:
+        raise ModelSpecError(
+            f"model spec {spec!r}: cannot find the vocabulary size; expected config.vocab_size, "
+            "vocab_size or an nn.Embedding (or return a ModelBundle)"
+        )
+    return built, batch_size, seq_len, vocab
+
+
+def _place(model: nn.Module, spec: str, device: str, target: torch.device, torch_dtype: torch.dtype,
+           fake_mode: Any) -> nn.Module:
+    """``model`` on ``target`` in ``torch_dtype`` (built there already under a fake-tensor mode)."""
+    if fake_mode is None:
+        try:
+            return model.to(device=target, dtype=torch_dtype)
+        except (RuntimeError, AssertionError) as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ModelSpecError(f"device={device!r}: not usable here ({first}); expected cpu or meta") from None
+    if any(p.dtype != torch_dtype for p in model.parameters() if p.is_floating_point()):
+        raise ModelSpecError(f"model spec {spec!r}: parameters not built in dtype={torch_dtype} on meta")
+    return model
+
+
 def build_model(
     spec: str,
     *,
@@ -319,48 +369,18 @@ def build_model(
     _positive("batch_size", batch_size, spec)
     _positive("seq_len", seq_len, spec)
     torch_dtype = _dtype(dtype)
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ModelSpecError(f"device={device!r}: expected cpu, meta, cuda[:N] or another torch device") from None
-    fake_mode = None
-    if target.type == "meta":
-        from torch._subclasses.fake_tensor import FakeTensorMode
-
-        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    target, fake_mode = _target(device)
     is_preset = spec in PRESETS
     if not is_preset and not spec.startswith("hf:") and not _FACTORY.match(spec):
         raise ModelSpecError(f"model spec {spec!r}: unknown; expected {FORMS}")
 
     with torch.random.fork_rng(devices=[]), _default_dtype(torch_dtype), _maybe(fake_mode):
         torch.manual_seed(seed)
-        if is_preset:
-            model, batch_size, seq_len, vocab = _build_preset(spec, args, batch_size, seq_len)
-        elif spec.startswith("hf:"):
-            seq_len = _DEFAULT_SEQ if seq_len is None else seq_len
-            batch_size = _DEFAULT_BATCH if batch_size is None else batch_size
-            model, vocab = _build_hf(spec, spec[3:], args, seq_len)
-        else:
-            built = _build_factory(spec, args)
-            if isinstance(built, ModelBundle):
-                log.info("model spec %s: factory returned a ModelBundle; its sizes, dtype and device are used", spec)
-                return built
-            model, vocab = built, _vocab_size(built)
-            if vocab <= 0:
-                raise ModelSpecError(
-                    f"model spec {spec!r}: cannot find the vocabulary size; expected config.vocab_size, "
-                    "vocab_size or an nn.Embedding (or return a ModelBundle)"
-                )
-            seq_len = _DEFAULT_SEQ if seq_len is None else seq_len
-            batch_size = _DEFAULT_BATCH if batch_size is None else batch_size
-        if fake_mode is None:
-            try:
-                model = model.to(device=target, dtype=torch_dtype)
-            except (RuntimeError, AssertionError) as exc:
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ModelSpecError(f"device={device!r}: not usable here ({first}); expected cpu or meta") from None
-        elif any(p.dtype != torch_dtype for p in model.parameters() if p.is_floating_point()):
-            raise ModelSpecError(f"model spec {spec!r}: parameters not built in dtype={torch_dtype} on meta")
+        built = _build(spec, args, batch_size, seq_len, is_preset)
+        if isinstance(built, ModelBundle):
+            return built
+        model, batch_size, seq_len, vocab = built
+        model = _place(model, spec, device, target, torch_dtype, fake_mode)
     model.train()
     step = {}
     if spec.startswith("hf:") and spec[3:] in HF_HEADS:

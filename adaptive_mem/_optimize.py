@@ -1,5 +1,5 @@
-"""``adaptive_mem.optimize``, the front door: apply a plan (``runtime._apply``) or, with ``budget=``, run the
-adaptive loop (``adaptive._loop``), which sits above plan application."""
+"""``adaptive_mem.optimize``, the front door for a fixed plan (``runtime._apply``); the adaptive loop under a
+budget is the other entry, ``adaptive_mem.adaptive_optimize`` (``adaptive._loop``)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,20 @@ from torch import nn
 
 from search._plan import Plan
 
-from adaptive_mem.adaptive._loop import adaptive_optimize
 from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan
 from adaptive_mem.runtime._compile_blocks import check_blocks, compile_blocks, compile_options
 
-__all__ = ["optimize", "OptimizeHandle"]
+__all__ = ["optimize", "OptimizeHandle", "OptimizeArgumentError"]
+
+
+class OptimizeArgumentError(ValueError):
+    """An argument of :func:`optimize` that belongs to the adaptive loop (``adaptive_mem.adaptive_optimize``)."""
 
 
 def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
              profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
-             host_dir: str | None = None, budget: int | str | None = None, host_memory_budget: int | str | None = None,
-             compile: Any = None, **adaptive: Any) -> OptimizeHandle:
+             host_dir: str | None = None, host_memory_budget: int | str | None = None, compile: Any = None,
+             budget: int | str | None = None) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed.
 
     ``plan`` is a :class:`search.Plan`, a plan dict or a YAML/JSON file; ``config`` a MindFormers or
@@ -47,19 +50,15 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     compile each block yourself, then ``optimize``; for recompute plans, ``torch.compile(model)`` after
     ``optimize`` also works. Swap under a whole-model compile runs eager (one warning says why).
 
-    ``budget`` instead of a plan: the adaptive loop (``adaptive_mem.adaptive_optimize``, which takes
-    the other keywords) finds and applies the fastest plan under ``budget`` bytes while training.
+    ``budget`` raises :class:`OptimizeArgumentError`: the loop that finds the fastest plan under a budget
+    while training is ``adaptive_mem.adaptive_optimize(model, budget=...)``.
     """
+    if budget is not None:
+        raise OptimizeArgumentError(f"optimize: budget={budget!r}: optimize applies a fixed plan; expected "
+                                    "adaptive_mem.adaptive_optimize(model, budget=...) for the adaptive loop")
     options = compile_options(compile, key="optimize: compile")
-    if options is not None and (budget is not None or adaptive):
-        raise ValueError(f"optimize: compile={compile!r} with budget=: expected one of them (the adaptive loop "
-                         "profiles the model as it runs; compile its blocks yourself before optimize)")
     if options is not None:
         check_blocks(model, compile, key="optimize: compile")
-    if budget is not None or adaptive:  # the adaptive loop (issue 6)
-        if budget is None or plan is not None or config is not None:
-            raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
-        return adaptive_optimize(model, budget=budget, host_memory_budget=host_memory_budget, **adaptive)
     handle = apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
                         host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)
     if options is not None:

@@ -122,24 +122,14 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
     layout recorded in ``model.layout``."""
     t = layout.tensor_parallel
     roles = tp_roles(profile, split.linears) if t > 1 else {}
-    seq_from = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
-
-    def factor(index: int, unit: UnitRecord) -> float:
-        role = roles.get(unit.name, "replicated")
-        if role != "replicated":
-            return 1.0 / t
-        carries_sequence = index >= seq_from or any(
-            profile.ops[i].op.startswith("aten.embedding") for i in unit.ops)
-        return 1.0 / t if layout.sequence_parallel and carries_sequence else 1.0
-
+    factors = _shard_factors(profile, layout, roles)
     ops: list[OpRecord] = []
     units: list[UnitRecord] = []
     remap: dict[int, int] = {}
     after: dict[str, str] = {}  # row-parallel unit -> its collective unit
     pending: list[tuple[int, list[int]]] = []  # new op index -> old consumer indices
     name = "reduce_scatter" if layout.sequence_parallel else "all_reduce"  # the names a real TP rank gives them
-    for index, unit in enumerate(profile.units):
-        f = factor(index, unit)
+    for unit, f in zip(profile.units, factors):
         new_ids = []
         for i in unit.ops:
             op = profile.ops[i]
@@ -152,20 +142,51 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
         units.append(_sum_unit(unit, [ops[k] for k in new_ids], new_ids))
         if roles.get(unit.name) == "row":
             seconds = collective_time(unit.output_bytes, ranks=t, bandwidth=interconnect)
-            last = profile.ops[unit.ops[-1]]
-            coll_name = f"{last.module}.{name}" if last.module else name
-            local = unit.local_name.rsplit(".", 1)[0] + f".{name}" if "." in unit.local_name else name
             pending.append((len(ops), profile.ops[unit.ops[-1]].consumers))
-            ops.append(OpRecord(index=len(ops), op=f"c10d.{name}", unit=coll_name,
-                                module=last.module, layer=unit.layer, output_bytes=0, saved_bytes=0,
-                                fwd_time=seconds, bwd_time=seconds, flops=0))
-            units.append(UnitRecord(name=coll_name, local_name=local, layer=unit.layer, ops=[len(ops) - 1],
-                                    output_bytes=0, saved_bytes=0, fwd_time=seconds, bwd_time=seconds,
-                                    consumers=list(unit.consumers)))
-            after[unit.name] = coll_name
+            op, collective = _collective(profile, unit, name, len(ops), seconds)
+            ops.append(op)
+            units.append(collective)
+            after[unit.name] = collective.name
     for k, old in pending:
         ops[k] = replace(ops[k], consumers=sorted({remap[c] for c in old if c in remap and remap[c] > k}))
     units = [replace(u, consumers=[after[u.name]]) if u.name in after else u for u in units]
+    return _rank_profile(profile, ops, units, layout=layout, split=split, interconnect=interconnect)
+
+
+def _shard_factors(profile: Profile, layout: Layout, roles: dict[str, str]) -> list[float]:
+    """Per unit, the share of its bytes, times and flops one tensor-parallel rank holds: ``1 / t`` for a sharded
+    linear, and under sequence parallelism for a replicated unit that carries the sequence (from the first layer
+    on, or an embedding)."""
+    t = layout.tensor_parallel
+    seq_from = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
+    factors = []
+    for index, unit in enumerate(profile.units):
+        if roles.get(unit.name, "replicated") != "replicated":
+            factors.append(1.0 / t)
+            continue
+        carries_sequence = index >= seq_from or any(
+            profile.ops[i].op.startswith("aten.embedding") for i in unit.ops)
+        factors.append(1.0 / t if layout.sequence_parallel and carries_sequence else 1.0)
+    return factors
+
+
+def _collective(profile: Profile, unit: UnitRecord, name: str, index: int,
+                seconds: float) -> tuple[OpRecord, UnitRecord]:
+    """The op and unit of the collective (``name``) after the row-parallel ``unit``, as op ``index``."""
+    last = profile.ops[unit.ops[-1]]
+    coll_name = f"{last.module}.{name}" if last.module else name
+    local = unit.local_name.rsplit(".", 1)[0] + f".{name}" if "." in unit.local_name else name
+    op = OpRecord(index=index, op=f"c10d.{name}", unit=coll_name, module=last.module, layer=unit.layer,
+                  output_bytes=0, saved_bytes=0, fwd_time=seconds, bwd_time=seconds, flops=0)
+    collective = UnitRecord(name=coll_name, local_name=local, layer=unit.layer, ops=[index], output_bytes=0,
+                            saved_bytes=0, fwd_time=seconds, bwd_time=seconds, consumers=list(unit.consumers))
+    return op, collective
+
+
+def _rank_profile(profile: Profile, ops: list[OpRecord], units: list[UnitRecord], *, layout: Layout,
+                  split: ParameterSplit, interconnect: float) -> Profile:
+    """``profile`` with one rank's ``ops`` and ``units``, and its static memory, peak, step and optimizer time."""
+    t = layout.tensor_parallel
     static = rank_static(profile.static, layout=layout, split=split)
     act_old = sum(u.saved_bytes for u in profile.units)
     boundary = max(0, profile.peak_memory - (profile.static.total - profile.static.gradients)

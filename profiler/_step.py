@@ -153,26 +153,12 @@ def profile_step(
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     hw = _resolve_hardware(hardware, device, dtype)
     static = static_memory(model, optimizer=optimizer)
-    saved_grads = [(p, p.grad) for p in model.parameters()]
-    was_training = model.training
-    model.train()
-    rng_devices = [device] if device.type not in ("cpu", "meta") else []
     start = time.perf_counter()
-    try:
-        with torch.random.fork_rng(devices=rng_devices), (step.fake_mode or contextlib.nullcontext()):
-            recorder, step_time = _record(step, device, hw, fake, warmup, repeat, 1 if fake else record, meter)
-    finally:
-        model.train(was_training)
-        for p, grad in saved_grads:
-            p.grad = grad
+    recorder, step_time = _record_restoring(step, device, hw, fake, warmup, repeat, 1 if fake else record, meter)
     present = allocated_optimizer_state(optimizer) if recorder.other.meter is not None else 0
     static, peak = measured_memory(recorder, static, present=present)
     result = _build(step, recorder, hw, static, device, fake, step_time, dtype, peak)
-    if optimizer_time is None:
-        optimizer_time = _optimizer_seconds(model, optimizer or "adam", hw, fake)
-    elif optimizer_time < 0:
-        raise ValueError(f"optimizer_time={optimizer_time}: expected seconds >= 0")
-    result.optimizer_time = float(optimizer_time)
+    result.optimizer_time = _optimizer_seconds(optimizer_time, model, optimizer or "adam", hw, fake)
     if compile is not None:
         result = profile_compiled(step, result, backend=compile, repeat=max(1, repeat))
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
@@ -180,7 +166,31 @@ def profile_step(
     return result
 
 
-def _optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer, hw: HardwareSpec, fake: bool) -> float:
+def _record_restoring(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int, repeat: int,
+                      record: int, meter: MemoryMeter | None) -> tuple[Recorder, float | None]:
+    """:func:`_record` in training mode, under the step's fake mode and a forked RNG; the model's training flag
+    and parameter ``.grad`` restored afterwards."""
+    model = step.model
+    saved_grads = [(p, p.grad) for p in model.parameters()]
+    was_training = model.training
+    model.train()
+    rng_devices = [device] if device.type not in ("cpu", "meta") else []
+    try:
+        with torch.random.fork_rng(devices=rng_devices), (step.fake_mode or contextlib.nullcontext()):
+            return _record(step, device, hw, fake, warmup, repeat, record, meter)
+    finally:
+        model.train(was_training)
+        for p, grad in saved_grads:
+            p.grad = grad
+
+
+def _optimizer_seconds(given: float | None, model: nn.Module, optimizer: str | torch.optim.Optimizer,
+                       hw: HardwareSpec, fake: bool) -> float:
+    """``given`` seconds of one optimizer step (checked), else timed on a scratch copy, or estimated on fake tensors."""
+    if given is not None:
+        if given < 0:
+            raise ValueError(f"optimizer_time={given}: expected seconds >= 0")
+        return float(given)
     if fake:
         return estimate_optimizer_seconds(model, optimizer, hw)
     try:

@@ -64,7 +64,7 @@ def _train(*, rank: int, cap: int | None, budget: int | None, cache_dir: str | N
         if am is not None:
             out["history"] = [vars(r).copy() for r in am.history]
             out["converged_at"] = am.converged_at
-            out["cache_key"], out["cache_fields"] = am._cache_key, am._cache_fields
+            out["cache_key"], out["cache_fields"] = am.cache_entry.key, am.cache_entry.fields
             out["cache_hits"], out["profiles"] = am.cache_hits, am.profiles_run
             am.remove()
     return out
@@ -83,7 +83,7 @@ def _stage_groups(rank: int) -> dict[str, Any]:
     with adaptive_optimize(b.model, budget="1GiB", optimizer=optimizer(b.model), cache=False,
                            dp_group=groups[rank]) as am:
         b.loss(b.batch(seed=0)).backward()
-        key, fields = am._cache_key, am._cache_fields
+        key, fields = am.cache_entry.key, am.cache_entry.fields
     return {"cache_key": key, "cache_fields": fields}
 
 
@@ -109,7 +109,7 @@ def _pipeline(*, rank: int, budget: int | None) -> dict[str, Any]:
     finally:
         if am is not None:
             out["history"] = [vars(r).copy() for r in am.history]
-            out["cache_fields"] = am._cache_fields
+            out["cache_fields"] = am.cache_entry.fields
             am.remove()
     return out
 

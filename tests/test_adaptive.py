@@ -41,7 +41,8 @@ def test_sixty_percent_budget_ooms_without_the_flag_and_trains_exactly_with_it(r
         assert am.history[0].kind == "warmup" and am.history[0].rescues > 0, "the warm-up step needed rescues"
         assert am.plan is not None and am.plan.decisions, "a plan was applied"
         # Note: [profile under rescue]: the profile describes the plain step, not the budget it ran under
-        assert am._profile.peak_memory == pytest.approx(peak, rel=0.1), (am._profile.peak_memory, peak)
+        profiled = am.profiler.profile.peak_memory
+        assert profiled == pytest.approx(peak, rel=0.1), (profiled, peak)
     text = caplog.text
     assert "profiled the model" in text and "warm-up done: applying the plan" in text and "converged at target" in text
     assert not b.model._forward_pre_hooks and not b.model._forward_hooks, "remove() left hooks behind"
@@ -56,7 +57,7 @@ def test_converged_plan_is_within_ten_percent_of_the_offline_milp_plan(ref, tmp_
     opt = optimizer(b.model)
     with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
         peaks = train(b, opt, STEPS, cap=budget)
-        model: StepModel = am._step_model
+        model: StepModel = am.planner.step_model
         offline = get_solver("milp").solve(Problem(model, budget))
         adaptive = simulate(model, am.plan)
         assert am.converged
@@ -130,14 +131,19 @@ def test_single_flag_applies_the_adaptive_loop(tmp_path):
     assert apply_arguments(b.model, _args([])) is None
 
 
-def test_optimize_with_a_budget_is_the_adaptive_loop_and_excludes_a_manual_plan():
+def test_two_entries_one_return_type_each_and_a_manual_plan_excludes_the_loop():
     b = bundle()
-    with adaptive_mem.optimize(b.model, budget="9MB", cache=False) as handle:
+    with adaptive_optimize(b.model, budget="9MB", cache=False) as handle:
         assert isinstance(handle, adaptive_mem.AdaptiveMemory) and handle.budget == 9_000_000
         with pytest.raises(ValueError, match="already applied"):
             adaptive_optimize(b.model, budget=9_000_000)
-    with pytest.raises(ValueError, match="budget= without plan="):
-        adaptive_mem.optimize(b.model, budget="9MB", plan={"format": "adaptive-mem-plan", "version": 1})
+    for extra in ({}, {"plan": {"format": "adaptive-mem-plan", "version": 1}}):
+        with pytest.raises(adaptive_mem.OptimizeArgumentError) as info:
+            adaptive_mem.optimize(b.model, budget="9MB", **extra)
+        assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
+        assert str(info.value) == ("optimize: budget='9MB': optimize applies a fixed plan; expected "
+                                   "adaptive_mem.adaptive_optimize(model, budget=...) for the adaptive loop")
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in b.model.modules())
     manual = {"format": "adaptive-mem-plan", "version": 1, "decisions": {"layers.1": "recompute"}}
     with adaptive_mem.optimize(b.model, plan=manual):
         with pytest.raises(ValueError, match="already has a plan applied"):

@@ -264,7 +264,8 @@ def test_compile_of_compiled_blocks_or_with_budget_is_refused():
     _blocks(model)
     with pytest.raises(ConfigError, match=r"^optimize: compile='aot_eager': layers\.0 is already compiled; expected "):
         optimize(model, plan=_plan(SWAP), compile="aot_eager")
-    with pytest.raises(ValueError, match=r"^optimize: compile=True with budget=: expected one of them"):
+    with pytest.raises(ValueError, match=r"^optimize: budget='1GiB': optimize applies a fixed plan; expected "
+                       r"adaptive_mem\.adaptive_optimize"):
         optimize(model, budget="1GiB", compile=True)
 
 

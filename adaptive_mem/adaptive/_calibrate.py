@@ -56,21 +56,10 @@ def _plans(profile: Profile) -> dict[str, Plan]:
     return plans
 
 
-def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
-    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
-    ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
-    on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
-    if pairs < 1:
-        raise ValueError(f"pairs={pairs}: expected an integer >= 1")
-    if not profile.measured:
-        return profile
-    disk = measure_disk()
-    log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
-    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, disk_bandwidth=disk))
-    if profile.layer_container is None or profile.num_layers == 0:
-        return profile
+def _time_rounds(bundle: Any, plans: dict[str, Plan], pairs: int) -> tuple[dict[str, list[float]], list[int]]:
+    """Step seconds of the plain model and of each of ``plans`` in ``pairs`` interleaved rounds, and the bytes each
+    swapping step moved; the parameters' ``.grad`` restored afterwards."""
     device = next(bundle.model.parameters()).device
-    plans = _plans(profile)
     grads = [(p, p.grad) for p in bundle.model.parameters()]
     times: dict[str, list[float]] = {"plain": [], **{name: [] for name in plans}}
     moved: list[int] = []
@@ -96,6 +85,24 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
             q.setLevel(level)
         for p, g in grads:
             p.grad = g
+    return times, moved
+
+
+def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
+    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
+    ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
+    on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
+    if pairs < 1:
+        raise ValueError(f"pairs={pairs}: expected an integer >= 1")
+    if not profile.measured:
+        return profile
+    disk = measure_disk()
+    log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
+    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, disk_bandwidth=disk))
+    if profile.layer_container is None or profile.num_layers == 0:
+        return profile
+    plans = _plans(profile)
+    times, moved = _time_rounds(bundle, plans, pairs)
     plain = statistics.median(times["plain"])
     hardware = dataclasses.replace(profile.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0)
     uncalibrated = dataclasses.replace(profile, hardware=hardware)

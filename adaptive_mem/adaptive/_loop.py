@@ -20,6 +20,7 @@ Plans change only between steps: hooks are never added while a forward runs.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Callable
 
 import torch
@@ -31,15 +32,18 @@ from search._plan import Plan
 
 from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
-from adaptive_mem.runtime._apply import _APPLIED, apply_plan
+from adaptive_mem.runtime._apply import apply_plan
+from ._adapt import decide, describe_pending
+from ._arguments import check_arguments, mark, unmark
 from ._batch import AdaptiveBatch
 from ._entry import hooks_before, run_again_then_first
 from adaptive_mem.runtime._spill import HostBudget, as_host_budget
-from ._measure import AdaptiveBudgetError, StepMeasurement, _fmt
-from ._plan_cache import CachedPlan, PlanCache, plan_key
-from ._planner import Planner
+from ._measure import AdaptiveBudgetError, StepMeter, StepProfiler, _fmt, default_budget, headroom
+from ._plan_cache import CacheEntry, PlanCache, layout_sizes
+from ._planner import Planner, describe
 from ._ranks import RankGroup, share_decision
-from ._target_search import Move, StepRecord, TargetSearch
+from ._refusals import BudgetRefusals
+from ._target_search import Move, SearchState, StepRecord, TargetSearch
 from ._wrappers import is_laid_out, warn_untested
 
 __all__ = ["adaptive_optimize", "AdaptiveMemory", "AdaptiveBudgetError", "StepRecord", "TargetSearch", "Move"]
@@ -48,8 +52,12 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- the handle
-class AdaptiveMemory(StepMeasurement, Planner):
-    """What :func:`adaptive_optimize` returns; a context manager whose exit (or :meth:`remove`) restores the model."""
+class AdaptiveMemory:
+    """What :func:`adaptive_optimize` returns; a context manager whose exit (or :meth:`remove`) restores the model.
+
+    It composes the loop's collaborators, each handed its state: :attr:`profiler` (the live step profiled),
+    :attr:`meter` (each step's record), :attr:`refusals` (budgets the step cannot run under), :attr:`planner`
+    (plans per target), :attr:`state` (the target search and what to apply next) and :attr:`cache_entry`."""
 
     def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
                  solver: str, parallel: dict[str, int] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
@@ -61,74 +69,86 @@ class AdaptiveMemory(StepMeasurement, Planner):
         self.host_budget = host_budget
         """RAM the swap stores may hold (the plan's and the SwapManager's together); None: the process default."""
         self.budget = budget
-        self.optimizer = optimizer
         self.cache = cache
-        self.solver = solver
         self.parallel = dict(parallel or {})
-        self.loss_fn = loss_fn
         self.tolerance = tolerance
         self.prefetch_reserve = 0.1
         """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         warn_untested(model)
         self.manager = SwapManager(model, device=self.device, host_budget=host_budget)
-        self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator)
-        self.manager.headroom = self._headroom
-        self.manager.engines = self._plan_engines
-        self.hook.exhausted = self._exhausted
-        if hasattr(self.hook, "mode"):
-            self.hook.mode.exhausted = self._exhausted
+        self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator,
+                                       exhausted=self._exhausted)
+        self.refusals = BudgetRefusals(model, hook=self.hook, manager=self.manager, ranks=self.ranks)
+        self.profiler = StepProfiler(model, device=self.device, hook=self.hook, manager=self.manager,
+                                     refusals=self.refusals, optimizer=optimizer, loss_fn=loss_fn)
+        self.meter = StepMeter(self.hook, self.manager)
+        self.planner = Planner(solver)
+        self.state = SearchState()
+        self.cache_entry = CacheEntry(cache, self.ranks)
         self.history: list[StepRecord] = []
         """One record per step."""
         self.plan: Plan | None = None
         """The plan applied now (None: the plain model)."""
-        self.profiles_run = 0
-        """Profiles taken (0 on a run served by the plan cache)."""
         self.cache_hits = 0
-        self.converged_at: int | None = None
-        """Step after which the target stopped moving (None while searching)."""
-        self.search: TargetSearch | None = None
-        self._structure = structure_fingerprint(model)
-        self._handle: Any = None
-        self._step_model: Any = None
-        self._profile: Any = None
-        self._inputs_key: Any = None
-        self._cache_key: str | None = None
-        self._cache_fields: dict[str, Any] = {}
-        self._pending: Plan | None | bool = False  # False: no change; None: remove the plan
-        self._needs_profile = False
-        self._busy = 0
-        self._in_step = False
-        self._depth = 0
-        self._step_start = 0.0
-        self._rescues0 = 0
-        self._retries0 = 0
-        self._kind = "adapt"
-        self._solved: dict[int, Any] = {}
-        self._min_needed = 0
-        self._overshoot: tuple[int, str] | None = None
-        """Bytes the last profiled step went past the budget with every swappable activation swapped, and why."""
         self.batch: AdaptiveBatch | None = None
         """With ``--adaptive-batch-size``: the micro-batch size and accumulation steps the training loop uses."""
-        self._handles = [model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
-                         model.register_forward_hook(self._post, always_call=True)]
+        self._structure = structure_fingerprint(model)
+        self._handle: Any = None
+        self._inputs_key: Any = None
+        self._in_step = False
+        self._depth = 0
+        self._connect()
+
+    def _connect(self) -> None:
+        """Hook the loop into the model and the SwapManager."""
+        self.manager.headroom = self._headroom
+        self.manager.engines = self._plan_engines
+        self._handles = [self.model.register_forward_pre_hook(self._pre, prepend=True, with_kwargs=True),
+                         self.model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
-        model._adaptive_memory = self
+        mark(self.model, self)
 
     # ------------------------------------------------------------------ public
     @property
+    def optimizer(self) -> Any:
+        return self.profiler.optimizer
+
+    @property
+    def loss_fn(self) -> Callable[[Any], torch.Tensor] | None:
+        return self.profiler.loss_fn
+
+    @property
+    def solver(self) -> str:
+        return self.planner.solver
+
+    @property
+    def search(self) -> TargetSearch | None:
+        return self.state.search
+
+    @property
+    def converged_at(self) -> int | None:
+        """Step after which the target stopped moving (None while searching)."""
+        return self.state.converged_at
+
+    @property
     def converged(self) -> bool:
-        return self.converged_at is not None
+        return self.state.converged
+
+    @property
+    def profiles_run(self) -> int:
+        """Profiles taken (0 on a run served by the plan cache)."""
+        return self.profiler.profiles_run
 
     @property
     def minimum(self) -> int | None:
         """The smallest budget the profiled step can run under (bytes, the group's largest under data parallelism),
         measured at the last profile; None before it."""
-        return self._min_needed or None
+        return self.planner.min_needed or None
 
     @property
     def target(self) -> int | None:
-        return self.search.target if self.search is not None else None
+        return self.state.target
 
     @property
     def swap_stats(self) -> Any:
@@ -147,7 +167,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
         target = _fmt(self.target) if self.target is not None else "none"
         return (f"adaptive memory: {state}, target {target}, budget {_fmt(self.budget or 0)}, "
                 f"{len(self.history)} steps, {rescues} rescues, {self.profiles_run} profiles, "
-                f"{self.cache_hits} cache hits; {self._describe(self.plan)}")
+                f"{self.cache_hits} cache hits; {describe(self.plan)}")
 
     def remove(self) -> None:
         """Take the plan, the SwapManager and every hook off the model; safe to call twice."""
@@ -159,8 +179,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
             self._handle = None
         self.manager.close()
         self.hook.remove()
-        if getattr(self.model, "_adaptive_memory", None) is self:
-            del self.model._adaptive_memory
+        unmark(self.model, self)
 
     def __enter__(self) -> "AdaptiveMemory":
         return self
@@ -171,7 +190,7 @@ class AdaptiveMemory(StepMeasurement, Planner):
     # ------------------------------------------------------------------ step boundaries
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
-        if self._busy or self._depth > 1 or not torch.is_grad_enabled():
+        if self.profiler.busy or self._depth > 1 or not torch.is_grad_enabled():
             return
         if self._in_step:  # the previous forward never got its backward (or failed): not a step
             self._abandon()
@@ -195,22 +214,22 @@ class AdaptiveMemory(StepMeasurement, Planner):
 
     def _begin(self, args: tuple, kwargs: dict) -> None:
         if self.budget is None:
-            self.budget = self._default_budget()
+            self.budget = default_budget(self.hook, self.device)
         self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
         key = tuple((tuple(t.shape), t.dtype) for t in tensors)
-        self._kind = "steady" if self.converged else "adapt"
+        self.state.kind = "steady" if self.converged else "adapt"
         if key != self._inputs_key:
             first = self._inputs_key is None
             self._inputs_key = key
             self._start_shape(tensors, args, kwargs, first)
-        elif self._needs_profile:
+        elif self.state.needs_profile:
             self._plan_from_profile(args, kwargs)
-        self._start_record()
+        self.meter.start()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
-        if self._busy or self._depth > 0 or not self._in_step:
+        if self.profiler.busy or self._depth > 0 or not self._in_step:
             return
         if output is None:  # the forward raised
             self._abandon()
@@ -230,98 +249,79 @@ class AdaptiveMemory(StepMeasurement, Planner):
             return
         self._in_step = False
         self.hook.exit()
-        record = self._record_step()
+        state = self.state
+        record = self.meter.record(step=len(self.history) + 1, kind=state.kind, target=self.target)
         self.history.append(record)
         self.ranks.reduce_record(record)
-        deciding = self._kind in ("warmup", "cached") or (self.search is not None and
-                                                          (not self.converged or record.rescues > 0))
+        warmup = state.kind in ("warmup", "cached")
+        deciding = warmup or (state.search is not None and (not self.converged or record.rescues > 0))
         if deciding and self.ranks.decides:
-            record.decision = self._describe_pending() if self._kind in ("warmup", "cached") else self._adapt(record)
+            record.decision = describe_pending(state) if warmup else decide(
+                state, self.planner, record, current=self.plan.decisions if self.plan is not None else {},
+                budget=self.budget, save=self._save_cache)
         if deciding and self.ranks.active:
-            share_decision(self, record)
-        if self._pending is not False:
-            self._apply(self._pending)
-            self._pending = False
+            share_decision(self.ranks, state, record)
+        if state.pending is not False:
+            self._apply(state.pending)
+            state.pending = False
         if record.decision:
             log.info("adaptive memory: step %d: %s", record.step, record.decision)
 
     # ------------------------------------------------------------------ warm-up: cache or profile
     def _start_shape(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, first: bool) -> None:
-        self.converged_at = None
-        self.search = None
-        self._solved.clear()
-        self._cache_key, self._cache_fields = plan_key(self.model, inputs=tensors, budget=self.budget,
-                                                       parallel=self._parallel(), structure=self._structure)
+        state = self.state
+        state.converged_at = None
+        state.search = None
+        self.planner.forget()
+        self.cache_entry.select(self.model, inputs=tensors, budget=self.budget, structure=self._structure,
+                                parallel=layout_sizes(self.parallel, self.ranks, self.model))
         if not first:
             log.info("adaptive memory: input shapes changed to %s: planning again",
                      [list(t.shape) for t in tensors])
-        cached = self.ranks.agree_on_cache(self.cache, self._cache_key)
+        cached = self.cache_entry.load()
         if cached is not None:
             self.cache_hits += 1
-            self._kind = "cached"
-            self.search = TargetSearch(lo=cached.target, hi=cached.target, target=cached.target, tolerance=0)
-            self.converged_at = len(self.history) + 1
-            self._pending = cached.plan
+            state.kind = "cached"
+            state.search = TargetSearch(lo=cached.target, hi=cached.target, target=cached.target, tolerance=0)
+            state.converged_at = len(self.history) + 1
+            state.pending = cached.plan
             log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
-                     self.cache.path(self._cache_key), _fmt(cached.target))
+                     self.cache_entry.path(), _fmt(cached.target))
             return
         if self._handle is not None:
-            self._pending = None  # profile the plain model at the next step
-            self._needs_profile = True
-            self._kind = "warmup"
+            state.pending = None  # profile the plain model at the next step
+            state.needs_profile = True
+            state.kind = "warmup"
             return
         self._plan_from_profile(args, kwargs)
 
-    # ------------------------------------------------------------------ the search
-    def _adapt(self, record: StepRecord) -> str:
-        search = self.search
-        assert search is not None
-        if self.converged:  # a rescue after convergence: reopen
-            self.converged_at = None
-            if self._step_model is None:  # a cached plan: no profile to search with yet
-                self._needs_profile = True
-                self._pending = None
-                return (f"{record.rescues} rescues under the cached plan: profiling again at the next step "
-                        "(plain model until then)")
-            if search.target <= self._min_needed:
-                self.converged_at = record.step
-                return (f"{record.rescues} rescues at the most memory-saving target {_fmt(search.target)}: "
-                        "nothing tighter to try; the SwapManager keeps the steps alive")
-            search.lo = self._min_needed
-        before = search.target
-        why = (f"{record.rescues} rescues, {record.retries} allocator retries, peak {_fmt(record.peak or 0)}"
-               if record.rescues else f"no rescues, peak {_fmt(record.peak or 0)} of budget {_fmt(self.budget)}")
-        move = search.observe(rescued=record.rescues > 0)
-        # A target whose plan is the one just measured has a known outcome: keep moving.
-        while move is not Move.CONVERGED and self._solve(search.target).decisions == self._current_decisions():
-            move = search.observe(rescued=record.rescues > 0)
-        if move is Move.CONVERGED:
-            self.converged_at = record.step
-            plan = self._solve(search.target)
-            if plan.decisions != self._current_decisions():
-                self._pending = plan
-            self._save_cache(search.target, plan)
-            return (f"{why}: converged at target {_fmt(search.target)} after {record.step} steps "
-                    f"({len(plan.decisions)} decisions)")
-        self._pending = self._solve(search.target)
-        verb = "tightening" if move is Move.TIGHTEN else "relaxing"
-        return f"{why}: {verb} the target {_fmt(before)} -> {_fmt(search.target)}; {self._describe(self._pending)}"
+    def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
+        from search import StepModel
 
-    def _current_decisions(self) -> dict:
-        return self.plan.decisions if self.plan is not None else {}
-
-    def _describe_pending(self) -> str:
-        if self._pending is False:
-            return ""
-        what = "cached " if self._kind == "cached" else ""
-        target = f" for target {_fmt(self.target)}" if self.target is not None else ""
-        return f"warm-up done: applying the {what}{self._describe(self._pending)}{target}"
+        state = self.state
+        state.needs_profile = False
+        state.kind = "warmup"
+        self.refusals.check_static(self.budget)
+        start = time.perf_counter()
+        prof = self.profiler.take(args, kwargs, self.budget)
+        self.manager.set_profile(prof)
+        host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
+        if self.batch is not None:  # --adaptive-batch-size: the next global batch's micro-batch
+            self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
+        step_model = StepModel.build(prof, host_budget=host.limit)
+        needed = self.refusals.check_minimum(step_model, self.budget, self.profiler.overshoot)
+        self.planner.use(step_model, min_needed=needed)
+        tol = max(1, int(self.tolerance * self.budget))
+        state.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
+        log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
+                 "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
+        # Note: [one decision per DP group]: the other ranks take the deciding rank's plan at the step's end
+        state.pending = self.planner.solve(state.search.target) if self.ranks.decides else False
 
     def _save_cache(self, target: int, plan: Plan) -> None:
-        if self.cache is None or self._cache_key is None or not self.ranks.decides:
-            return
-        path = self.cache.save(self._cache_key, CachedPlan(plan, target, self._cache_fields))
-        log.info("adaptive memory: plan cached at %s", path)
+        path = self.cache_entry.save(target, plan)
+        if path is not None:
+            log.info("adaptive memory: plan cached at %s", path)
 
     # ------------------------------------------------------------------ applying plans
     def _apply(self, plan: Plan | None) -> None:
@@ -334,13 +334,28 @@ class AdaptiveMemory(StepMeasurement, Planner):
             # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
-            self._handle = apply_plan(self.model, plan=unchecked, profile=self._profile,
+            self._handle = apply_plan(self.model, plan=unchecked, profile=self.profiler.profile,
                                       host_memory_budget=self.host_budget)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
                 engine.prefetch_reserve = self.manager.prefetch_reserve
         self.manager.attach()  # innermost again, after the executor's hooks
 
+    # ------------------------------------------------------------------ what the device leaves free
+    def _plan_engines(self) -> list[Any]:
+        executor = getattr(self._handle, "_executor", None)
+        engine = getattr(executor, "engine", None)
+        return [engine] if engine is not None else []
+
+    def _headroom(self) -> int | None:
+        return headroom(self.hook, self.budget)
+
+    def _exhausted(self, needed: int, budget: int | None) -> BaseException | None:
+        if self.manager.prefetching:
+            return None  # a prefetch that does not fit: it waits for its use
+        if self.profiler.past_budget(needed):  # Note: [profile past the budget]
+            return None
+        return self.manager.exhausted(needed, budget if budget is not None else self.budget)
 
 
 def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, optimizer: Any = None,
@@ -365,25 +380,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     group; a pipeline stage passes the group of the ranks holding it): the first decides on the group's measured
     maxima and broadcasts, and a rescue on any rank re-plans all of them at the same step.
     """
-    from search._budget import parse_bytes
-
-    if isinstance(budget, str):
-        budget = parse_bytes(budget, key="--memory-budget")
-    elif budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-        raise ValueError(f"--memory-budget={budget!r}: expected a positive number of bytes or a size like 12GiB")
-    if solver != "milp":
-        from search import solver_names
-
-        if solver not in solver_names():
-            raise ValueError(f"solver={solver!r}: unknown; expected one of {', '.join(solver_names())}")
-    if not 0 < tolerance < 1:
-        raise ValueError(f"tolerance={tolerance!r}: expected a fraction in (0, 1)")
-    applied = _APPLIED.get(model)
-    if applied is not None and applied() is not None and applied().active:
-        raise ValueError("adaptive memory optimization: the model already has a plan applied (a manual recompute/"
-                         "swap config); expected one of them: remove() its handle first")
-    if getattr(model, "_adaptive_memory", None) is not None:
-        raise ValueError("adaptive memory optimization: already applied to this model; remove() it first")
+    budget = check_arguments(model, budget=budget, solver=solver, tolerance=tolerance)
     store = PlanCache(cache_dir) if cache else None
     ranks = RankGroup.resolve(dp_group)
     handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
@@ -392,7 +389,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     handle.batch = batch
     if budget is not None and not (ranks.active and not is_laid_out(model)):  # else a layout may still shard it
         try:  # a budget below what never leaves the device is refused now, before any step or batch
-            handle._check_static()
+            handle.refusals.check_static(budget)
         except AdaptiveBudgetError:
             handle.remove()
             raise

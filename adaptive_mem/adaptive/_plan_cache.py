@@ -23,7 +23,7 @@ from torch import nn
 from profiler._fingerprint import structure_fingerprint
 from search._plan import Plan, PlanError
 
-__all__ = ["PlanCache", "CachedPlan", "plan_key", "default_cache_dir"]
+__all__ = ["PlanCache", "CachedPlan", "CacheEntry", "plan_key", "default_cache_dir", "layout_sizes"]
 
 log = logging.getLogger(__name__)
 
@@ -107,3 +107,48 @@ class PlanCache:
                                    "plan": entry.plan.to_dict()}, indent=1) + "\n")
         os.replace(tmp, path)
         return path
+
+
+def layout_sizes(parallel: dict[str, int], ranks: Any, model: nn.Module) -> dict[str, Any]:
+    """The parallel sizes the key holds: ``parallel``, the world size, the DP group of ``ranks`` (a
+    ``_ranks.RankGroup``) and, for DTensor parameters (FSDP2, tensor parallel), the mesh they are sharded over."""
+    sizes: dict[str, Any] = dict(parallel)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        sizes.setdefault("world", torch.distributed.get_world_size())
+    sizes.update(ranks.layout())
+    mesh = next((list(p.device_mesh.shape) for p in model.parameters() if hasattr(p, "device_mesh")), None)
+    if mesh is not None:
+        sizes["mesh"] = mesh
+    return sizes
+
+
+class CacheEntry:
+    """The adaptive loop's entry in ``cache`` (None: no cache) for the input shapes it steps on now; the
+    deciding rank of ``ranks`` (a ``_ranks.RankGroup``) reads it for the group and alone writes it."""
+
+    def __init__(self, cache: PlanCache | None, ranks: Any) -> None:
+        self.cache = cache
+        self.ranks = ranks
+        self.key: str | None = None
+        """The key of the current input shapes (None before the first step)."""
+        self.fields: dict[str, Any] = {}
+        """What :attr:`key` was made of."""
+
+    def select(self, model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int, parallel: dict[str, Any],
+               structure: str) -> None:
+        """Make the entry that of ``model`` stepping on ``inputs`` under ``budget``."""
+        self.key, self.fields = plan_key(model, inputs=inputs, budget=budget, parallel=parallel, structure=structure)
+
+    def load(self) -> CachedPlan | None:
+        """The deciding rank's cached plan for the group (None: a miss on every rank)."""
+        assert self.key is not None
+        return self.ranks.agree_on_cache(self.cache, self.key)
+
+    def path(self) -> Path | None:
+        return self.cache.path(self.key) if self.cache is not None and self.key is not None else None
+
+    def save(self, target: int, plan: Plan) -> Path | None:
+        """Keep ``plan`` converged at ``target``; its file (None: no cache, or not the deciding rank)."""
+        if self.cache is None or self.key is None or not self.ranks.decides:
+            return None
+        return self.cache.save(self.key, CachedPlan(plan, target, self.fields))

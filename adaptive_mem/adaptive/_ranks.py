@@ -29,7 +29,7 @@ from adaptive_mem.runtime._accounting import host_allocations
 
 if TYPE_CHECKING:
     from ._plan_cache import CachedPlan, PlanCache
-    from ._target_search import StepRecord
+    from ._target_search import SearchState, StepRecord
 
 __all__ = ["RankGroup", "share_decision"]
 
@@ -127,19 +127,20 @@ class RankGroup:
         return self.broadcast(cache.load(key) if cache is not None and self.decides else None)
 
 
-def share_decision(loop: Any, record: "StepRecord") -> None:
-    """Give every rank of ``loop.ranks`` the deciding rank's decision after ``record``'s step."""
-    search = loop.search
-    state = loop.ranks.broadcast({
-        "pending": loop._pending, "decision": record.decision, "converged_at": loop.converged_at,
-        "needs_profile": loop._needs_profile,
+def share_decision(ranks: RankGroup, state: "SearchState", record: "StepRecord") -> None:
+    """Give every rank of ``ranks`` the deciding rank's decision after ``record``'s step: its ``state``
+    (what to apply, the search, whether the next step profiles) and the decision's log line."""
+    search = state.search
+    shared = ranks.broadcast({
+        "pending": state.pending, "decision": record.decision, "converged_at": state.converged_at,
+        "needs_profile": state.needs_profile,
         "search": None if search is None else (search.lo, search.hi, search.target, search.tolerance)})
-    if loop.ranks.decides:
+    if ranks.decides:
         return
-    loop._pending, record.decision = state["pending"], state["decision"]
-    loop.converged_at, loop._needs_profile = state["converged_at"], state["needs_profile"]
-    if state["search"] is not None:
+    state.pending, record.decision = shared["pending"], shared["decision"]
+    state.converged_at, state.needs_profile = shared["converged_at"], shared["needs_profile"]
+    if shared["search"] is not None:
         from ._target_search import TargetSearch
 
-        lo, hi, target, tolerance = state["search"]
-        loop.search = TargetSearch(lo=lo, hi=hi, target=target, tolerance=tolerance)
+        lo, hi, target, tolerance = shared["search"]
+        state.search = TargetSearch(lo=lo, hi=hi, target=target, tolerance=tolerance)

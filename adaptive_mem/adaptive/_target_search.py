@@ -1,16 +1,20 @@
-"""The adaptive loop's policy: binary search on the memory target, and what each step recorded.
+"""The adaptive loop's policy: binary search on the memory target, what each step recorded, and the loop's
+decision state.
 
 ``TargetSearch.observe`` returns a :class:`Move` for one measured step: a rescue tightens the target,
 a clean step relaxes it toward the budget (MindSpeed's binary search on the memory target), and a
-closed interval converges.
+closed interval converges. :class:`SearchState` is what one decision changes: the search, whether it
+converged, the plan to apply at the step's end and whether the next step profiles; the deciding rank
+broadcasts it to the others (``_ranks.share_decision``).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["Move", "TargetSearch", "StepRecord"]
+__all__ = ["Move", "TargetSearch", "StepRecord", "SearchState"]
 
 
 class Move(str, enum.Enum):
@@ -69,3 +73,27 @@ class StepRecord:
     """Under ``torch.distributed``: this rank's own peak (``peak`` is the DP group's maximum)."""
     local_rescues: int | None = None
     """Under ``torch.distributed``: this rank's own rescues (``rescues`` is the DP group's maximum)."""
+
+
+@dataclass
+class SearchState:
+    """The adaptive loop's decision state, changed by the warm-up and by each step's decision."""
+
+    search: TargetSearch | None = None
+    """The binary search on the memory target (None before the first plan of an input shape)."""
+    converged_at: int | None = None
+    """Step after which the target stopped moving (None while searching)."""
+    pending: Any = False
+    """The plan to apply at the step's end: False no change, None the plain model, else a ``search.Plan``."""
+    needs_profile: bool = False
+    """Whether the next step profiles the model (a shape change under a plan, a rescue under a cached plan)."""
+    kind: str = "adapt"
+    """The current step's :attr:`StepRecord.kind`."""
+
+    @property
+    def converged(self) -> bool:
+        return self.converged_at is not None
+
+    @property
+    def target(self) -> int | None:
+        return self.search.target if self.search is not None else None

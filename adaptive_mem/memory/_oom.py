@@ -21,6 +21,7 @@ The ``rescue`` callback (``needed_bytes -> freed_anything``) is the SwapManager'
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -109,6 +110,7 @@ class _RetryHook(OomHook):
 
     def enter(self) -> None:
         if not self._entered:
+            self.mode.exhausted = self.exhausted
             self.mode.__enter__()
             self._entered = True
 
@@ -138,11 +140,18 @@ class _RetryHook(OomHook):
         self.exit()
 
 
-def make_hook(rescue: Rescue, device: torch.device, *, pluggable: bool = False) -> OomHook:
+def make_hook(rescue: Rescue, device: torch.device, *, pluggable: bool = False,
+              exhausted: Callable[[int, int | None], BaseException | None] | None = None) -> OomHook:
     """The hook for ``device``: accounted on CPU (the C++ allocator, or its dispatch-mode fallback); on
     CUDA, when ``pluggable`` (the allocator-level hook) is asked for and possible, the caching
     allocator's out-of-memory observer plus retry at the op; else retry at the op alone (the path for
-    every other accelerator too)."""
+    every other accelerator too). ``exhausted``: its :attr:`OomHook.exhausted`."""
+    hook = _pick_hook(rescue, device, pluggable)
+    hook.exhausted = exhausted
+    return hook
+
+
+def _pick_hook(rescue: Rescue, device: torch.device, pluggable: bool) -> OomHook:
     if device.type == "cpu":
         return AccountedHook(rescue)
     if device.type == "cuda" and pluggable:

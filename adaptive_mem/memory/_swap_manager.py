@@ -270,6 +270,11 @@ class SwapManager:
             f"host); largest unswappable tensor: {what}, {size} bytes", needed=needed)
 
     # ------------------------------------------------------------------ rescue
+    @property
+    def prefetching(self) -> bool:
+        """Whether a prefetch is reloading now: one that does not fit waits for its use, nothing is rescued for it."""
+        return bool(self._no_rescue)
+
     def rescue(self, needed: int) -> bool:
         """Swap out storages until ``needed`` bytes are released; True if anything was."""
         if self._no_rescue or needed <= 0:
