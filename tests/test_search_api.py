@@ -127,3 +127,32 @@ def test_exports_leave_the_search_package_alone():
 def test_quickstart_runs_as_written(capsys):
     exec(compile(QUICKSTART, "quickstart.py", "exec"), {})
     assert "Plan(" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def tiny_batches(tmp_path_factory):
+    """llama-tiny profiled on fake tensors at batch sizes 2 and 4."""
+    folder = tmp_path_factory.mktemp("tiny")
+    for b in (2, 4):
+        assert main(["profile", "--model", "llama-tiny", "--device", "meta", "--hardware", "h100", "--batch-size",
+                     str(b), "-o", str(folder / f"b{b}.json")]) == 0
+    return [folder / "b2.json", folder / "b4.json"]
+
+
+def test_maximize_throughput_is_the_commands(tiny_batches, tmp_path, capsys):
+    capsys.readouterr()
+    out, text = cli(capsys, tmp_path, *tiny_batches, "--maximize", "throughput", "--batch-sizes", "1,2,4,8",
+                    "--budget", "30MiB", "--solver", "greedy")
+    result = am.maximize_throughput(tiny_batches, budget="30MiB", batch_sizes=[1, 2, 4, 8], solver="greedy")
+    assert result.plan.dumps(fmt="yaml") == text and result.table.table() in out
+    assert f"best: batch size {result.batch_size}, {result.tokens_per_second:,.1f} tokens/s, " \
+           f"step {fmt_seconds(result.step_time)}, peak {fmt_bytes(result.peak_bytes)}" in out
+    assert result.plan.meta["maximize"] == "throughput" and result.checks == ()
+
+
+def test_maximize_throughput_refuses_as_the_command(tiny_batches, tmp_path, capsys):
+    with pytest.raises(InfeasibleBudgetError) as info:
+        am.maximize_throughput(tiny_batches, budget="1MiB", batch_sizes="1,2", solver="greedy")
+    assert main(["search", *map(str, tiny_batches), "--maximize", "throughput", "--batch-sizes", "1,2", "--budget",
+                 "1MiB", "--solver", "greedy", "-o", str(tmp_path / "p.yaml")]) == 2
+    assert capsys.readouterr().err.strip() == f"adaptive-mem search: error: {info.value}"
