@@ -15,8 +15,8 @@ from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from profiler import HardwareSpec, Layout, Profile, hardware_spec
-from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, SolveResult, Stage, StepModel, check_feasible,
-                    fmt_bytes, get_solver, in_flight, merge_plans, minimum_budget, pipeline_step_time,
+from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, Stage, StepModel,
+                    check_feasible, fmt_bytes, get_solver, in_flight, merge_plans, minimum_budget, pipeline_step_time,
                     simulate_assignment, split_layout)
 from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
 from search._collectives import data_parallel_comm
@@ -101,6 +101,8 @@ def _budget_spec(budget: int | str | None, activation_budget: float | str | None
     """Note: [budget forms] ``budget`` is bytes (an int), a size (``"8GiB"``) or a percentage (``"60%"``) of
     the keep-all activation peak, the same as ``activation_budget=0.6``; sizes and fractions are
     ``Budget.parse``'s."""
+    if budget is not None and activation_budget is not None:
+        Budget.parse(budget=str(budget), activation_budget=activation_budget)  # refuses the two together
     if isinstance(budget, str) and budget.strip().endswith("%"):
         try:
             fraction = float(budget.strip()[:-1]) / 100
@@ -108,12 +110,10 @@ def _budget_spec(budget: int | str | None, activation_budget: float | str | None
             fraction = math.nan
         if not 0 < fraction <= 1:
             raise BudgetError(f"--budget={budget!r}: expected a size like 40GiB or a percentage in (0%, 100%]")
-        if activation_budget is not None:
-            raise BudgetError("budget: give exactly one of --budget or --activation-budget, not both")
         return _BudgetSpec(Budget(activation_fraction=fraction), "--budget", budget)
     if isinstance(budget, int) and not isinstance(budget, bool):
-        if budget <= 0 or activation_budget is not None:
-            raise BudgetError(f"--budget={budget!r}: expected a size > 0 and no --activation-budget")
+        if budget <= 0:
+            raise BudgetError(f"--budget={budget!r}: expected a size > 0")
         return _BudgetSpec(Budget(total=budget), "--budget", budget)
     parsed = Budget.parse(budget=budget, activation_budget=activation_budget)
     if parsed.total is not None:
@@ -133,7 +133,7 @@ def _check_device(model: StepModel, budget: Budget, spec: _BudgetSpec, where: st
                                 f"{cap >> 20}MiB, or --hardware naming the device the plan is for")
 
 
-def _minimum(problem, budget: Budget, spec: _BudgetSpec, keep: int, where: str) -> int:
+def _minimum(problem: Problem, budget: Budget, spec: _BudgetSpec, keep: int, where: str) -> int:
     """The problem's minimum feasible peak; below it, ``check_feasible``'s refusal (for a fraction: naming
     the smallest feasible fraction)."""
     try:
@@ -166,14 +166,14 @@ def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, s
     result = get_solver(solver, **options).solve(problem)
     sim = simulate_assignment(st.model, result.assignment, in_flight=st.in_flight)
     result.plan.meta["predicted_peak_bytes"] = sim.peak_bytes  # the activation model's is an upper bound
-    static = _static(st.model)
     return StageResult(
-        index=st.index, chunk=st.chunk, in_flight=st.in_flight, where=where, budget=budget,
-        peak_bytes=sim.peak_bytes, activation_peak=activation_peak(st.model, result.assignment, in_flight=st.in_flight),
-        keep_all_peak=keep_sim.peak_bytes, keep_all_activation_peak=keep, keep_all_fits=keep_sim.peak_bytes <= problem.budget,
-        minimum_budget=least, step_time=result.cost.step_time, stall_time=result.cost.stall_time,
-        solve_time=result.stats.solve_time, lower_bound=result.stats.lower_bound, gap=result.stats.gap,
-        shortfall=device_shortfall(st.model.hardware, static=static, peak=sim.peak_bytes), solve=result)
+        index=st.index, chunk=st.chunk, in_flight=st.in_flight, where=where, budget=budget, peak_bytes=sim.peak_bytes,
+        activation_peak=activation_peak(st.model, result.assignment, in_flight=st.in_flight),
+        keep_all_peak=keep_sim.peak_bytes, keep_all_activation_peak=keep,
+        keep_all_fits=keep_sim.peak_bytes <= problem.budget, minimum_budget=least, step_time=result.cost.step_time,
+        stall_time=result.cost.stall_time, solve_time=result.stats.solve_time, lower_bound=result.stats.lower_bound,
+        gap=result.stats.gap,
+        shortfall=device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes), solve=result)
 
 
 def _static(model: StepModel) -> int:
@@ -220,7 +220,8 @@ def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_lay
             "comm_time": comm.total, "exposed_comm_time": comm.exposed}
 
 
-def rank_figures(plan: Plan, stages: list[Stage], results: list[SolveResult], layout: Layout) -> tuple[list[dict], float]:
+def rank_figures(plan: Plan, stages: list[Stage], results: list[SolveResult],
+                 layout: Layout) -> tuple[list[dict], float]:
     """Per rank figures and the pipelined step time, also recorded in ``plan.meta["pipeline"]``."""
     num_layers = stages[0].model.profile.num_layers
     ranks = [_rank(s, [(st, r) for st, r in zip(stages, results) if st.index == s], layout, num_layers)
@@ -302,6 +303,7 @@ def search(profile: Profile | str | Path, *, budget: int | str | None = None,
         plan.meta["layout"] = lay.to_dict()
         ranks, step = rank_figures(plan, stages, [r.solve for r in results], lay)
         peak = max(r["predicted_peak_bytes"] for r in ranks)
-    return SearchResult(plan=plan, solver=solver, budget=spec.budget, layout=lay, stages=tuple(results), ranks=tuple(ranks),
-                        peak_bytes=peak, step_time=step, minimum_budget=max(r.minimum_budget for r in results),
+    return SearchResult(plan=plan, solver=solver, budget=spec.budget, layout=lay, stages=tuple(results),
+                        ranks=tuple(ranks), peak_bytes=peak, step_time=step,
+                        minimum_budget=max(r.minimum_budget for r in results),
                         lower_bound=results[0].lower_bound if len(results) == 1 else None, profile=profile)
