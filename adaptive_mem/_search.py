@@ -252,7 +252,11 @@ def check_arguments(*, solver: str, solver_options: Mapping[str, Any], pipeline_
                     micro_batches: int | None, budget: int | str | None,
                     activation_budget: float | str | None) -> _BudgetSpec:
     """:func:`search`'s checks that need no profile, in the order the command refuses them."""
-    get_solver(solver, **solver_options)
+    try:
+        get_solver(solver, **solver_options)
+    except TypeError as exc:  # a keyword the solver's constructor does not take
+        raise ValueError(f"solver_options={dict(solver_options)!r}: {exc}; expected keywords of the {solver!r} "
+                         "solver's constructor") from None
     positive_int("--pipeline-stages", pipeline_stages)
     positive_int("--micro-batches", micro_batches)
     return _budget_spec(budget, activation_budget)

@@ -101,11 +101,17 @@ def test_refusals_are_the_commands(synthetic, tmp_path, capsys, kwargs, flags, e
     ({"budget": "2%"}, "--budget='2%': below the minimum feasible"),
     ({"budget": "1GiB", "solver": "annealing"}, "--solver='annealing': unknown solver"),
     ({"budget": "1GiB", "pipeline_stages": 0}, "--pipeline-stages=0: expected a positive integer"),
+    ({"budget": "1GiB", "solver_options": {"trails": 3}}, "solver_options={'trails': 3}: "),
 ])
 def test_bad_python_arguments_raise_one_line_value_errors(synthetic, kwargs, needle):
     with pytest.raises(ValueError, match=re.escape(needle)) as info:
         am.search(synthetic, **{"solver": "greedy", **kwargs})
     assert "\n" not in str(info.value)
+
+
+def test_solver_options_reach_the_solver(synthetic):
+    few = am.search(synthetic, budget="70%", solver="optuna", solver_options={"trials": 5, "seed": 1})
+    assert few.plan.meta["solver"] == "optuna" and few.stages[0].solve.stats.iterations == 5
 
 
 def test_the_command_still_refuses_a_percentage(synthetic, tmp_path, capsys):
