@@ -15,10 +15,16 @@ from adaptive_mem.memory._oom import RetryOnOom
 from adaptive_mem.adaptive._plan_cache import PlanCache
 from adaptive_mem.adaptive._loop import AdaptiveBudgetError, AdaptiveMemory, adaptive_optimize
 from adaptive_mem.adaptive._calibrate import calibrate
+from profiler import Profile, profile_step
+from search import Plan, simulate
+from ._search import SearchResult, StageResult, search
+from ._throughput import ThroughputSearchResult, maximize_throughput
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
            "DeviceMemory", "OptimizeArgumentError", "OptimizeHandle", "PlanSummary", "optimize",
            "add_memory_arguments", "apply_arguments", "SwapManager", "SwapExhaustedError", "OomHook", "RetryOnOom",
            "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate",
-           "wrap_function", "adapt_mem_func_wrapper"]
+           "wrap_function", "adapt_mem_func_wrapper",
+           "Plan", "Profile", "profile_step", "search", "SearchResult", "StageResult", "simulate",
+           "maximize_throughput", "ThroughputSearchResult"]

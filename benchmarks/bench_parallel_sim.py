@@ -21,7 +21,7 @@ import time
 
 import profiler
 from adaptive_mem._model_spec import build_model
-from adaptive_mem.cli._search_layout import chunk_budgets
+from adaptive_mem._search import chunk_budgets
 from profiler import Layout
 from search import (Action, Budget, Decision, Plan, chunk_layers, fmt_bytes, get_solver, parse_bytes,
                     pipeline_step_time, simulate, split_layout)

@@ -4,20 +4,18 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
-from dataclasses import replace
 from pathlib import Path
 
 import yaml
 
-from search import (Budget, InfeasibleBudgetError, Problem, check_feasible, fmt_bytes, fmt_seconds, get_solver,
-                    in_flight, merge_plans, minimum_budget, simulate_assignment, solver_names, split_layout)
+from search import Budget, fmt_bytes, fmt_seconds
 from profiler import Layout
-from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
 
-from ._common import HARDWARE_NAMES, check_output_path, load, positive, stages_of, write_text_atomic
-from ._layout_args import add_layout_arguments, merge_layout
-from ._search_layout import chunk_budgets, report_pipeline
+from adaptive_mem._search import StageResult, check_arguments, search
+
+from ._common import HARDWARE_NAMES, check_output_path, write_text_atomic
+from ._layout_args import _given, add_layout_arguments
+from ._search_layout import report_pipeline
 from ._search_throughput import add_throughput_arguments, run_throughput
 
 NAME = "search"
@@ -74,44 +72,31 @@ def _write(plan, fmt: str, path: str, num_layers: int, layout: Layout | None = N
     write_text_atomic(path, text)
 
 
-def _static(model) -> int:
-    return model.base + sum(model.grads)
-
-
-def _check_device(model, budget: Budget, text: str | None, where: str) -> None:
-    """Refuse a step whose static memory, or a ``--budget`` that exceeds the named device's memory."""
-    shortfall = device_shortfall(model.hardware, static=_static(model))
-    if shortfall:
-        raise DeviceMemoryError(f"{where}{shortfall}")
-    cap = device_capacity(model.hardware)
-    if cap is not None and budget.total is not None and budget.total > cap:
-        raise DeviceMemoryError(f"--budget={text!r}: {fmt_bytes(budget.total)} is more than the {model.hardware.name}'s "
-                                f"{fmt_bytes(cap)} of device memory; expected at most {cap >> 20}MiB, or --hardware "
-                                "naming the device the plan is for")
-
-
-def _check_feasible(problem: Problem, budget: Budget, text: str | None, keep: int, where: str) -> None:
-    """``check_feasible``; for a fraction, the error names the smallest feasible fraction."""
-    try:
-        check_feasible(problem.model, problem.budget, in_flight=problem.in_flight)
-    except InfeasibleBudgetError as exc:
-        if budget.total is not None:
-            raise InfeasibleBudgetError(f"{where}{exc}") from None
-        minimum, what = minimum_budget(problem.model, in_flight=problem.in_flight)
-        least = math.ceil((minimum - problem.model.base) / keep * 1000) / 1000
-        raise InfeasibleBudgetError(f"{where}--activation-budget={text!r}: below the minimum feasible {least:g} of the "
-                                    f"keep-all activation peak {fmt_bytes(keep)}: {what}") from None
-
-
-def _say_if_keep_all_fits(problem: Problem, budget: Budget, args: argparse.Namespace, where: str) -> None:
-    sim = simulate_assignment(problem.model, keep_all(problem.model), in_flight=problem.in_flight)
-    if sim.peak_bytes > problem.budget:
+def _say_if_keep_all_fits(stage: StageResult, args: argparse.Namespace) -> None:
+    if not stage.keep_all_fits:
         return
-    if budget.total is not None:
-        why = f"--budget {args.budget} (its peak {fmt_bytes(sim.peak_bytes)} <= {fmt_bytes(budget.total)})"
+    if stage.budget.total is not None:
+        why = f"--budget {args.budget} (its peak {fmt_bytes(stage.keep_all_peak)} <= {fmt_bytes(stage.budget.total)})"
     else:
-        why = f"--activation-budget {args.activation_budget} (its activation peak {fmt_bytes(sim.activation_peak)})"
-    print(f"{where}the keep-all plan already meets {why}: no decisions needed")
+        why = (f"--activation-budget {args.activation_budget} (its activation peak "
+               f"{fmt_bytes(stage.keep_all_activation_peak)})")
+    print(f"{stage.where}the keep-all plan already meets {why}: no decisions needed")
+
+
+def _report_stage(stage: StageResult, args: argparse.Namespace) -> None:
+    _say_if_keep_all_fits(stage, args)
+    gap = "" if stage.gap is None else f", lower bound {fmt_seconds(stage.lower_bound)}, gap {stage.gap:.3%}"
+    if stage.budget.total is not None:
+        held = f"(budget {fmt_bytes(stage.budget.total)})"
+    else:
+        act, keep = stage.activation_peak, stage.keep_all_activation_peak
+        held = (f"(activation peak {fmt_bytes(act)} = {act / keep if keep else 0:.3f} of the keep-all "
+                f"{fmt_bytes(keep)}; budget {stage.budget.activation_fraction:g})")
+    print(f"{stage.where}peak {fmt_bytes(stage.peak_bytes)} {held}, "
+          f"step {fmt_seconds(stage.step_time)}, stall {fmt_seconds(stage.stall_time)}, "
+          f"{args.solver} solved in {stage.solve_time:.2f} s{gap}")
+    if stage.shortfall:
+        log.warning("%s%s", stage.where, stage.shortfall)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,55 +108,18 @@ def run(args: argparse.Namespace) -> int:
     if len(args.profile) > 1:
         raise ValueError(f"profile={' '.join(args.profile)!r}: {len(args.profile)} profiles; expected one "
                          "(several only with --maximize throughput)")
-    args.profile = args.profile[0]
     if args.format not in FORMATS:
         raise ValueError(f"--format={args.format!r}: expected one of {', '.join(FORMATS)}")
-    if args.solver not in solver_names():
-        raise ValueError(f"--solver={args.solver!r}: unknown solver; expected one of {', '.join(solver_names())}")
-    positive("--pipeline-stages", args.pipeline_stages)
-    positive("--micro-batches", args.micro_batches)
-    budget = Budget.parse(budget=args.budget, activation_budget=args.activation_budget)
+    check_arguments(solver=args.solver, solver_options={}, pipeline_stages=args.pipeline_stages,
+                    micro_batches=args.micro_batches, budget=args.budget, activation_budget=args.activation_budget)
+    Budget.parse(budget=args.budget, activation_budget=args.activation_budget)  # --budget takes no percentage
     check_output_path(args.output, flag="--output")
-    profile, hardware = load(args)
-    layout = merge_layout(profile.model.get("layout"), args)
-    micro = layout.micro_batches
-    if layout.chunks == 1:
-        stages = [replace(stages_of(profile, hardware, 1, micro)[0], in_flight=in_flight(layout)[0][0])]
-    else:
-        stages = split_layout(profile, layout=layout, hardware=hardware)
-    budgets = chunk_budgets(stages, budget, layout)
-    results = []
-    for st, stage_budget in zip(stages, budgets):
-        chunk = f", chunk {st.chunk}" if layout.virtual_pipeline_stages > 1 else ""
-        where = f"stage {st.index}{chunk} ({st.in_flight} micro-batches in flight): " if layout.chunks > 1 else ""
-        _check_device(st.model, stage_budget, args.budget, where)
-        problem = stage_budget.problem(st.model, in_flight=st.in_flight, progress=True)
-        keep = activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)
-        _check_feasible(problem, stage_budget, args.activation_budget, keep, where)
-        _say_if_keep_all_fits(problem, stage_budget, args, where)
-        result = get_solver(args.solver).solve(problem)
-        results.append(result)
-        sim = simulate_assignment(st.model, result.assignment, in_flight=st.in_flight)
-        result.plan.meta["predicted_peak_bytes"] = sim.peak_bytes  # the activation model's is an upper bound
-        gap = "" if result.stats.gap is None else \
-            f", lower bound {fmt_seconds(result.stats.lower_bound)}, gap {result.stats.gap:.3%}"
-        if stage_budget.total is not None:
-            held = f"(budget {fmt_bytes(stage_budget.total)})"
-        else:
-            act = activation_peak(st.model, result.assignment, in_flight=st.in_flight)
-            held = (f"(activation peak {fmt_bytes(act)} = {act / keep if keep else 0:.3f} of the keep-all "
-                    f"{fmt_bytes(keep)}; budget {budget.activation_fraction:g})")
-        print(f"{where}peak {fmt_bytes(sim.peak_bytes)} {held}, "
-              f"step {fmt_seconds(result.cost.step_time)}, stall {fmt_seconds(result.cost.stall_time)}, "
-              f"{args.solver} solved in {result.stats.solve_time:.2f} s{gap}")
-        shortfall = device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes)
-        if shortfall:
-            log.warning("%s%s", where, shortfall)
-    plan = results[0].plan if layout.chunks == 1 else merge_plans([r.plan for r in results], stages, micro_batches=micro)
-    plan.meta["budget_spec"] = budget.describe()
-    if layout != Layout():
-        plan.meta["layout"] = layout.to_dict()
-        report_pipeline(plan, stages, results, layout)
-    _write(plan, args.format, args.output, profile.num_layers, layout)
+    result = search(args.profile[0], budget=args.budget, activation_budget=args.activation_budget,
+                    solver=args.solver, hardware=args.hardware, progress=True,
+                    on_stage=lambda stage: _report_stage(stage, args), **_given(args))
+    if result.ranks:
+        report_pipeline(result)
+    plan = result.plan
+    _write(plan, args.format, args.output, result.profile.num_layers, result.layout)
     print(f"wrote {args.output} ({args.format}, {len(plan.decisions)} decisions)")
     return 0

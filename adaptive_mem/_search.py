@@ -1,0 +1,313 @@
+"""``adaptive_mem.search``: the fastest plan for a profile under a memory budget, from Python.
+
+``adaptive-mem search`` is this function plus argument parsing and printing: the budget forms, the
+device and feasibility checks, the pipeline stages and their refusals live here, once. Keyword
+arguments are the command's flags in snake_case; refusals are the command's (``ValueError``
+subclasses whose one-line messages name the flag, e.g. ``--budget='1MiB'``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Callable, Mapping
+
+from profiler import HardwareSpec, Layout, Profile, hardware_spec
+from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, Stage, StepModel,
+                    check_feasible, fmt_bytes, get_solver, in_flight, merge_plans, minimum_budget, pipeline_step_time,
+                    simulate_assignment, split_layout)
+from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
+from search._collectives import data_parallel_comm
+
+from adaptive_mem.cli._layout_args import merge_layout
+from adaptive_mem.cli._profile import positive_int
+
+__all__ = ["SearchResult", "StageResult", "check_arguments", "chunk_budgets", "rank_figures", "search"]
+
+
+@dataclass(frozen=True)
+class StageResult:
+    """One stage model's search (the whole model when there is no pipeline)."""
+
+    index: int
+    chunk: int
+    in_flight: int
+    """Micro-batches of activations this stage holds at its peak."""
+    where: str
+    """``stage 0 (2 micro-batches in flight): `` under a pipeline, else empty: the prefix of its lines."""
+    budget: Budget
+    """The stage's budget: ``budget=`` (split over a rank's chunks) or the activation fraction."""
+    peak_bytes: int
+    """The plan's simulated peak on the stage model (static memory included)."""
+    activation_peak: int
+    keep_all_peak: int
+    """The keep-all plan's peak on the problem's model (gradients resident for a fraction)."""
+    keep_all_activation_peak: int
+    keep_all_fits: bool
+    """The keep-all plan already meets the budget: the plan needs no decisions."""
+    minimum_budget: int
+    """The smallest peak of the most memory-saving plans on the problem's model."""
+    step_time: float
+    stall_time: float
+    solve_time: float
+    lower_bound: float | None
+    """The solver's lower bound on the step time (milp), else None."""
+    gap: float | None
+    shortfall: str | None
+    """One line when the predicted peak exceeds the named device's memory, else None."""
+    solve: SolveResult
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """What :func:`search` found: the plan, its predicted figures and the per-stage ones."""
+
+    plan: Plan
+    solver: str
+    budget: Budget
+    layout: Layout
+    stages: tuple[StageResult, ...]
+    ranks: tuple[dict, ...]
+    """Per pipeline rank (a layout other than the default): ``stage``, ``predicted_peak_bytes``,
+    ``micro_batch_time``, ``optimizer_time``, ``comm_time``, ``exposed_comm_time``; else empty."""
+    peak_bytes: int
+    """Predicted peak device bytes: the stage's, or the largest rank's under a layout."""
+    step_time: float
+    """Predicted step seconds: the stage's, or the pipelined step under a layout."""
+    minimum_budget: int
+    """The largest of the stages' minimum feasible peaks (bytes)."""
+    lower_bound: float | None
+    """The solver's step-time lower bound for a single stage, else None."""
+    profile: Profile = field(repr=False, compare=False)
+    """The profile searched."""
+
+    @property
+    def fits_device(self) -> bool:
+        """No stage's predicted peak exceeds the named device's memory (an infeasible budget raises)."""
+        return not any(st.shortfall for st in self.stages)
+
+
+@dataclass(frozen=True)
+class _BudgetSpec:
+    budget: Budget
+    key: str
+    """The flag the budget came from, for messages: ``--budget`` or ``--activation-budget``."""
+    value: Any
+
+
+def _budget_spec(budget: int | str | None, activation_budget: float | str | None) -> _BudgetSpec:
+    """Note: [budget forms] ``budget`` is bytes (an int), a size (``"8GiB"``) or a percentage (``"60%"``) of
+    the keep-all activation peak, the same as ``activation_budget=0.6``; sizes and fractions are
+    ``Budget.parse``'s."""
+    if budget is not None and activation_budget is not None:
+        Budget.parse(budget=str(budget), activation_budget=activation_budget)  # refuses the two together
+    if isinstance(budget, str) and budget.strip().endswith("%"):
+        try:
+            fraction = float(budget.strip()[:-1]) / 100
+        except ValueError:
+            fraction = math.nan
+        if not 0 < fraction <= 1:
+            raise BudgetError(f"--budget={budget!r}: expected a size like 40GiB or a percentage in (0%, 100%]")
+        return _BudgetSpec(Budget(activation_fraction=fraction), "--budget", budget)
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        if budget <= 0:
+            raise BudgetError(f"--budget={budget!r}: expected a size > 0")
+        return _BudgetSpec(Budget(total=budget), "--budget", budget)
+    parsed = Budget.parse(budget=budget, activation_budget=activation_budget)
+    if parsed.total is not None:
+        return _BudgetSpec(parsed, "--budget", budget)
+    return _BudgetSpec(parsed, "--activation-budget", activation_budget)
+
+
+def _check_device(model: StepModel, budget: Budget, spec: _BudgetSpec, where: str) -> None:
+    """Refuse a step whose static memory, or a budget that exceeds the named device's memory."""
+    shortfall = device_shortfall(model.hardware, static=_static(model))
+    if shortfall:
+        raise DeviceMemoryError(f"{where}{shortfall}")
+    cap = device_capacity(model.hardware)
+    if cap is not None and budget.total is not None and budget.total > cap:
+        raise DeviceMemoryError(f"--budget={spec.value!r}: {fmt_bytes(budget.total)} is more than the "
+                                f"{model.hardware.name}'s {fmt_bytes(cap)} of device memory; expected at most "
+                                f"{cap >> 20}MiB, or --hardware naming the device the plan is for")
+
+
+def _minimum(problem: Problem, budget: Budget, spec: _BudgetSpec, keep: int, where: str) -> int:
+    """The problem's minimum feasible peak; below it, ``check_feasible``'s refusal (for a fraction: naming
+    the smallest feasible fraction)."""
+    try:
+        check_feasible(problem.model, problem.budget, in_flight=problem.in_flight)
+    except InfeasibleBudgetError as exc:
+        if budget.total is not None:
+            raise InfeasibleBudgetError(f"{where}{exc}") from None
+        least, what = minimum_budget(problem.model, in_flight=problem.in_flight)
+        fraction = math.ceil((least - problem.model.base) / keep * 1000) / 1000
+        raise InfeasibleBudgetError(f"{where}{spec.key}={spec.value!r}: below the minimum feasible {fraction:g} of "
+                                    f"the keep-all activation peak {fmt_bytes(keep)}: {what}") from None
+    return minimum_budget(problem.model, in_flight=problem.in_flight)[0]
+
+
+def _where(st: Stage, layout: Layout) -> str:
+    if layout.chunks == 1:
+        return ""
+    chunk = f", chunk {st.chunk}" if layout.virtual_pipeline_stages > 1 else ""
+    return f"stage {st.index}{chunk} ({st.in_flight} micro-batches in flight): "
+
+
+def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, solver: str,
+                 options: Mapping[str, Any], progress: bool) -> StageResult:
+    where = _where(st, layout)
+    _check_device(st.model, budget, spec, where)
+    problem = budget.problem(st.model, in_flight=st.in_flight, progress=progress)
+    keep = activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)
+    least = _minimum(problem, budget, spec, keep, where)
+    keep_sim = simulate_assignment(problem.model, keep_all(problem.model), in_flight=problem.in_flight)
+    result = get_solver(solver, **options).solve(problem)
+    sim = simulate_assignment(st.model, result.assignment, in_flight=st.in_flight)
+    result.plan.meta["predicted_peak_bytes"] = sim.peak_bytes  # the activation model's is an upper bound
+    return StageResult(
+        index=st.index, chunk=st.chunk, in_flight=st.in_flight, where=where, budget=budget, peak_bytes=sim.peak_bytes,
+        activation_peak=activation_peak(st.model, result.assignment, in_flight=st.in_flight),
+        keep_all_peak=keep_sim.peak_bytes, keep_all_activation_peak=keep,
+        keep_all_fits=keep_sim.peak_bytes <= problem.budget, minimum_budget=least, step_time=result.cost.step_time,
+        stall_time=result.cost.stall_time, solve_time=result.stats.solve_time, lower_bound=result.stats.lower_bound,
+        gap=result.stats.gap,
+        shortfall=device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes), solve=result)
+
+
+def _static(model: StepModel) -> int:
+    return model.base + sum(model.grads)
+
+
+def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[Budget]:
+    """One budget per stage model. ``--budget`` is a rank's: with ``V`` chunks per rank, the room left by the
+    rank's static memory is split over its chunks in proportion to their keep-all activation peaks
+    (micro-batches in flight included); fractions apply to each chunk as they are."""
+    if budget.total is None or layout.virtual_pipeline_stages == 1:
+        return [budget] * len(stages)
+    out: list[Budget] = []
+    for s in range(layout.pipeline_stages):
+        mine = [st for st in stages if st.index == s]
+        shared = mine[0].model.profile.static.buffers  # whole in every chunk's model, held once by the rank
+        static = sum(_static(st.model) for st in mine) - (len(mine) - 1) * shared
+        room = budget.total - static
+        if room <= 0:
+            raise DeviceMemoryError(f"stage {s}: static memory {fmt_bytes(static)} (parameters, gradients, optimizer "
+                                    f"state of its {len(mine)} chunks) exceeds the budget {fmt_bytes(budget.total)}; "
+                                    "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
+        keep = [max(1, activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)) for st in mine]
+        out += [Budget(total=_static(st.model) + int(room * k / sum(keep))) for st, k in zip(mine, keep)]
+    return out
+
+
+def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_layers: int) -> dict:
+    """One pipeline rank's predicted peak (its chunks together), seconds per micro-batch and communication."""
+    shared = mine[0][0].model.profile.static.buffers
+    peak = sum(r.plan.meta.get("predicted_peak_bytes", r.cost.peak_bytes) for _, r in mine) - (len(mine) - 1) * shared
+    busy = sum(r.cost.step_time - st.model.other_time for st, r in mine)
+    share = sum(len(st.layers) for st, _ in mine) / max(num_layers, 1)
+    models = [st.model for st, _ in mine]
+    d, z = layout.data_parallel, layout.zero
+    comm = data_parallel_comm(
+        layout, gradient_bytes=sum(m.profile.static.gradients for m in models) * (d if z >= 2 else 1),
+        parameter_bytes=sum(m.profile.static.parameters for m in models) * (d if z >= 3 else 1),
+        layers=sum(len(st.layers) for st, _ in mine), forward_time=sum(m.forward_time for m in models),
+        backward_time=sum(m.backward_time for m in models),
+        bandwidth=float(models[0].profile.model.get("interconnect_bandwidth") or 0.0))
+    return {"stage": s, "predicted_peak_bytes": int(peak), "micro_batch_time": busy,
+            "optimizer_time": mine[0][0].model.profile.optimizer_time * share,
+            "comm_time": comm.total, "exposed_comm_time": comm.exposed}
+
+
+def rank_figures(plan: Plan, stages: list[Stage], results: list[SolveResult],
+                 layout: Layout) -> tuple[list[dict], float]:
+    """Per rank figures and the pipelined step time, also recorded in ``plan.meta["pipeline"]``."""
+    num_layers = stages[0].model.profile.num_layers
+    ranks = [_rank(s, [(st, r) for st, r in zip(stages, results) if st.index == s], layout, num_layers)
+             for s in range(layout.pipeline_stages)]
+    step = pipeline_step_time([r["micro_batch_time"] for r in ranks], layout,
+                              other=max(r["optimizer_time"] for r in ranks),
+                              exposed_comm=max(r["exposed_comm_time"] for r in ranks))
+    meta = plan.meta.setdefault("pipeline", {"stages": layout.pipeline_stages, "micro_batches": layout.micro_batches})
+    meta.update(stages=layout.pipeline_stages, schedule=layout.schedule, virtual_stages=layout.virtual_pipeline_stages,
+                per_rank=ranks, predicted_step_time=step)
+    return ranks, step
+
+
+def _stages(profile: Profile, layout: Layout, hardware: HardwareSpec | None) -> list[Stage]:
+    if layout.chunks == 1:
+        model = StepModel.build(profile, hardware=hardware)
+        return [Stage(0, range(profile.num_layers), in_flight(layout)[0][0], model)]
+    return split_layout(profile, layout=layout, hardware=hardware)
+
+
+def _load(profile: Profile | str | Path, hardware: str | HardwareSpec | None) -> tuple[Profile, HardwareSpec | None]:
+    """The hardware override (validated before any loading work) and the profile."""
+    spec = hardware_spec(hardware) if isinstance(hardware, str) else hardware
+    return (profile if isinstance(profile, Profile) else Profile.load(profile)), spec
+
+
+def check_arguments(*, solver: str, solver_options: Mapping[str, Any], pipeline_stages: int | None,
+                    micro_batches: int | None, budget: int | str | None,
+                    activation_budget: float | str | None) -> _BudgetSpec:
+    """:func:`search`'s checks that need no profile, in the order the command refuses them."""
+    try:
+        get_solver(solver, **solver_options)
+    except TypeError as exc:  # a keyword the solver's constructor does not take
+        raise ValueError(f"solver_options={dict(solver_options)!r}: {exc}; expected keywords of the {solver!r} "
+                         "solver's constructor") from None
+    positive_int("--pipeline-stages", pipeline_stages)
+    positive_int("--micro-batches", micro_batches)
+    return _budget_spec(budget, activation_budget)
+
+
+def search(profile: Profile | str | Path, *, budget: int | str | None = None,
+           activation_budget: float | str | None = None, solver: str = "milp",
+           solver_options: Mapping[str, Any] | None = None, hardware: str | HardwareSpec | None = None,
+           pipeline_stages: int | None = None, micro_batches: int | None = None, tensor_parallel: int | None = None,
+           virtual_pipeline_stages: int | None = None, data_parallel: int | None = None,
+           sequence_parallel: bool | None = None, zero: int | None = None, schedule: str | None = None,
+           progress: bool = False, on_stage: Callable[[StageResult], None] | None = None) -> SearchResult:
+    """The fastest keep/recompute/swap plan for ``profile`` (a :class:`profiler.Profile` or its JSON file)
+    under a memory budget, as ``adaptive-mem search`` finds it.
+
+    ``budget``: peak device bytes, parameters, gradients and optimizer state included: an int, a size
+    (``"40GiB"``, ``"80GB"``) or a percentage of the keep-all activation peak (``"60%"``, the same as
+    ``activation_budget=0.6``: Note: [budget forms]). ``solver``: a name of ``search.solver_names()``;
+    ``solver_options``: its constructor's keywords (``time_limit`` for milp, ``seed``/``trials`` for optuna).
+    ``hardware``: a spec name or :class:`profiler.HardwareSpec` instead of the profile's. The parallel
+    layout (``pipeline_stages``, ``micro_batches``, ``tensor_parallel``, ...: the command's layout flags)
+    goes on top of the profile's recorded one. ``progress``: solver progress on stderr. ``on_stage``: called
+    with each stage's result as soon as it is solved (the command prints it).
+
+    A budget below the minimum feasible raises :class:`search.InfeasibleBudgetError`; a budget or static
+    memory beyond the named device's raises :class:`search.DeviceMemoryError` (both ``ValueError``).
+    """
+    options = dict(solver_options or {})
+    spec = check_arguments(solver=solver, solver_options=options, pipeline_stages=pipeline_stages,
+                           micro_batches=micro_batches, budget=budget, activation_budget=activation_budget)
+    profile, hw = _load(profile, hardware)
+    flags = SimpleNamespace(pipeline_stages=pipeline_stages, micro_batches=micro_batches, zero=zero,
+                            tensor_parallel=tensor_parallel, virtual_pipeline_stages=virtual_pipeline_stages,
+                            data_parallel=data_parallel, sequence_parallel=sequence_parallel, schedule=schedule)
+    lay = merge_layout(profile.model.get("layout"), flags)
+    stages = _stages(profile, lay, hw)
+    results: list[StageResult] = []
+    for st, stage_budget in zip(stages, chunk_budgets(stages, spec.budget, lay)):
+        results.append(_solve_stage(st, stage_budget, spec, lay, solver, options, progress))
+        if on_stage is not None:
+            on_stage(results[-1])
+    plan = results[0].solve.plan if lay.chunks == 1 else \
+        merge_plans([r.solve.plan for r in results], stages, micro_batches=lay.micro_batches)
+    plan.meta["budget_spec"] = spec.budget.describe()
+    ranks: list[dict] = []
+    peak, step = results[0].peak_bytes, results[0].step_time
+    if lay != Layout():
+        plan.meta["layout"] = lay.to_dict()
+        ranks, step = rank_figures(plan, stages, [r.solve for r in results], lay)
+        peak = max(r["predicted_peak_bytes"] for r in ranks)
+    return SearchResult(plan=plan, solver=solver, budget=spec.budget, layout=lay, stages=tuple(results),
+                        ranks=tuple(ranks), peak_bytes=peak, step_time=step,
+                        minimum_budget=max(r.minimum_budget for r in results),
+                        lower_bound=results[0].lower_bound if len(results) == 1 else None, profile=profile)
