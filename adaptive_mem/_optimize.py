@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from profiler._structure import ModelStructure
 from search._plan import Plan
 
 from adaptive_mem.adaptive._loop import adaptive_optimize
@@ -54,14 +55,16 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     if options is not None and (budget is not None or adaptive):
         raise ValueError(f"optimize: compile={compile!r} with budget=: expected one of them (the adaptive loop "
                          "profiles the model as it runs; compile its blocks yourself before optimize)")
+    structure = ModelStructure.of(model) if options is not None else None  # made once, handed down
     if options is not None:
-        check_blocks(model, compile, key="optimize: compile")
+        check_blocks(model, compile, key="optimize: compile", structure=structure)
     if budget is not None or adaptive:  # the adaptive loop (issue 6)
         if budget is None or plan is not None or config is not None:
             raise ValueError("optimize: budget= runs the adaptive loop; expected budget= without plan= or config=")
         return adaptive_optimize(model, budget=budget, host_memory_budget=host_memory_budget, **adaptive)
     handle = apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
-                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)
+                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget,
+                        structure=structure)
     if options is not None:
-        handle.compiled = compile_blocks(model, compile, key="optimize: compile")
+        handle.compiled = compile_blocks(model, compile, key="optimize: compile", structure=structure)
     return handle
