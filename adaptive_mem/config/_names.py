@@ -23,7 +23,7 @@ from profiler._paths import named_modules
 from profiler._structure import ModelStructure
 from profiler._units import LayerInfo, UnitNamer, join, leaf_label
 
-from ._clone import fake_clone
+from ._clone import fake_clone, fake_mode_of
 from ._collective_names import layout_collectives
 from ._errors import ConfigError, fmt, match_key
 
@@ -169,13 +169,10 @@ def _traced_units(model: nn.Module, info: LayerInfo, layers: list[int]) -> dict[
 
     Catches op units run by a non-leaf module itself (``feed_forward.w1.matmul``, HF ``self_attn.flash_attention``).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
-
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         return {}
-    param = next(model.parameters(), None)
-    fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_mode_of(model)
     try:
         model, _ = fake_clone(model, fake)  # Note: [throw-away clone]
     except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only

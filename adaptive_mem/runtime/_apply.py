@@ -148,11 +148,11 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
                 structure: ModelStructure | None = None) -> list[str]:
     """Unit names of one forward of ``model`` on fake tensors (nothing allocated, no RNG consumed), run on a
     fake clone of it (Note: [throw-away clone]; the clone has the paths of ``model``'s ``structure``)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_map
 
-    from adaptive_mem.config._clone import fake_clone
+    from adaptive_mem.config._clone import fake_clone, fake_mode_of
 
     names: dict[str, None] = {}
 
@@ -164,8 +164,7 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
             return func(*a, **(k or {}))
 
     with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-        param = next(model.parameters(), None)
-        fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+        fake = fake_mode_of(model)
         clone, _ = fake_clone(model, fake)
         namer = UnitNamer(clone, layers=(structure.of_model(model) if structure is not None
                                          else ModelStructure.of(model)).layers)
