@@ -19,7 +19,12 @@ from ._kinds import LayerKinds, layer_kinds
 from ._paths import is_compile_wrapper
 from ._units import LayerInfo, UnitNamer, find_layers
 
-__all__ = ["ModelStructure"]
+__all__ = ["ModelStructure", "is_data_parallel"]
+
+
+def is_data_parallel(module: nn.Module) -> bool:
+    """A ``DistributedDataParallel`` / ``DataParallel`` wrapper: it runs its one child ``module``."""
+    return isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel))
 
 
 class ModelStructure:
@@ -62,7 +67,7 @@ class ModelStructure:
     def wrapper(self) -> str | None:
         """What wraps the model at its root: ``"data_parallel"`` (DistributedDataParallel, DataParallel),
         ``"compiled"`` (``torch.compile(model)``), else None."""
-        if isinstance(self.model, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+        if is_data_parallel(self.model):
             return "data_parallel"
         return "compiled" if is_compile_wrapper(self.model) else None
 

@@ -60,3 +60,21 @@ def test_optimize_finds_the_layers_once(monkeypatch, compile_):
     with optimize(model, plan=plan, compile=compile_) as handle:
         assert handle.active
     assert calls == ["LlamaModel"]
+
+
+def test_data_parallel_wrapper_plans_its_module():
+    """A plan of the bare model applies inside a DataParallel wrapper (Note: [data-parallel wrapper]): the structure
+    handed down is the wrapped module's."""
+    model = _tiny()
+    wrapped = torch.nn.DataParallel(model)
+    assert ModelStructure.of(wrapped).wrapper == "data_parallel"
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    model(ids).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    structure = ModelStructure.of(wrapped)
+    with optimize(wrapped, plan=_plan({"layers.0": "recompute", "layers.1.feed_forward.mul": "recompute"}),
+                  compile=None) as handle:
+        assert handle.model is model and handle.resolution.layers == structure.of_model(model).layers
+        wrapped(ids).sum().backward()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))

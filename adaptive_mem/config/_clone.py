@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from profiler._paths import COMPILE_CHILD, is_compile_wrapper
+from profiler._structure import is_data_parallel
 
 __all__ = ["clone_module", "fake_clone", "fake_mode_of", "rebind"]
 
@@ -47,7 +48,7 @@ class _Through(nn.Module):
 
 
 def _wrapped_child(module: nn.Module) -> str | None:
-    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+    if is_data_parallel(module):
         return "module"
     return COMPILE_CHILD if is_compile_wrapper(module) else None
 

@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from profiler._fingerprint import input_fingerprint, split_fingerprint
-from profiler._structure import ModelStructure
+from profiler._structure import ModelStructure, is_data_parallel
 from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
@@ -182,9 +182,7 @@ def _unwrap_data_parallel(model: nn.Module, plan: Plan) -> nn.Module:
     """The model a ``DistributedDataParallel`` / ``DataParallel`` wrapper runs, unless the plan names the wrapper's
     paths (``module.``...): a plan of the bare model applies before or after wrapping (Note: [data-parallel
     wrapper], guarded by tests/test_parallel_exec.py); the wrapper's forward calls it, so its hooks run."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if not isinstance(model, (DataParallel, DistributedDataParallel)):
+    if not is_data_parallel(model):
         return model
     return model if any(t == "module" or t.startswith("module.") for t in plan.decisions) else model.module
 

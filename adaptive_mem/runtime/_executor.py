@@ -80,7 +80,7 @@ class Executor:
 
     def __init__(self, model: nn.Module, plan: Plan, res: Resolution, *, structure: ModelStructure | None = None,
                  host_store: str = "memory", host_dir: str | None = None, host_budget: Any = None) -> None:
-        structure = structure.of_model(model) if structure is not None else ModelStructure.of(model)
+        structure = structure.of_model(model) if structure is not None else ModelStructure(model, res.layers)
         num_layers = res.layers.count if res.layers is not None else 0
         engine = _engine(model, plan, res, num_layers, host_store=host_store, host_dir=host_dir,
                          host_budget=host_budget)
