@@ -8,6 +8,7 @@ from typing import Any
 
 from torch import nn
 
+from profiler._structure import ModelStructure
 from search._plan import Plan
 
 from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan
@@ -57,10 +58,12 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
         raise OptimizeArgumentError(f"optimize: budget={budget!r}: optimize applies a fixed plan; expected "
                                     "adaptive_mem.adaptive_optimize(model, budget=...) for the adaptive loop")
     options = compile_options(compile, key="optimize: compile")
+    structure = ModelStructure.of(model) if options is not None else None  # made once, handed down
     if options is not None:
-        check_blocks(model, compile, key="optimize: compile")
+        check_blocks(model, compile, key="optimize: compile", structure=structure)
     handle = apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
-                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget)
+                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget,
+                        structure=structure)
     if options is not None:
-        handle.compiled = compile_blocks(model, compile, key="optimize: compile")
+        handle.compiled = compile_blocks(model, compile, key="optimize: compile", structure=structure)
     return handle

@@ -12,6 +12,7 @@ from ._profile import (
     UnitRecord,
 )
 from ._units import LayerInfo, UnitNamer, find_layers, is_view_op, machinery_scope, op_label
+from ._structure import ModelStructure
 from ._hardware import HARDWARE, HardwareError, hardware_spec, measure_cpu, measure_device, measure_disk, measure_link
 from ._recorder import OpEvent, Recorder
 from ._saved import OpCounter, OpKey, SavedOutputs, saved_output_units, saved_outputs
@@ -57,6 +58,7 @@ __all__ = [
     "PROFILE_VERSION",
     "HardwareSpec",
     "LayerInfo",
+    "ModelStructure",
     "OpRecord",
     "Profile",
     "ProfileError",

@@ -296,6 +296,9 @@ def in_machinery() -> bool:
     return getattr(_machinery, "depth", 0) > 0
 
 
+_FIND = object()
+
+
 class UnitNamer:
     """Names ops by the module that runs them; drive it with :meth:`enter` / :meth:`exit` from module hooks.
 
@@ -303,11 +306,12 @@ class UnitNamer:
     :meth:`name` returns the unit of an aten op run now, or ``None`` for views.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, *, layers: LayerInfo | None | object = _FIND) -> None:
+        """``layers``: ``root``'s repeated blocks when already found (``ModelStructure.namer``), else found here."""
         self.paths: dict[int, str] = {id(m): p for p, m in named_modules(root, wrappers=True)}
         self.leaves: set[int] = {id(m) for m in root.modules() if next(m.children(), None) is None}
         self.labels: dict[int, str] = {id(m): leaf_label(m) for m in root.modules() if id(m) in self.leaves}
-        self.layers = find_layers(root)
+        self.layers: LayerInfo | None = find_layers(root) if layers is _FIND else layers  # type: ignore[assignment]
         self._stack: list[tuple[nn.Module, dict[str, int]]] = []
         self._collective: str | None = None
         self.regions = Regions()

@@ -99,7 +99,7 @@ def test_recompute_runs_compiled_and_exact(mode: str, name: str, caplog):
         assert [r.getMessage() for r in caplog.records if r.name.startswith("adaptive_mem")] == []
         if name in SELECT:  # the compiled policy ran and tagged the plan's units for recompute
             for i in range(LAYERS):
-                state = handle._executor._sac[i]
+                state = handle._executor.selective.states[i]
                 assert state.trace is None, "the eager selective path ran"
                 recomputed = {u for u in state.compiled[-1].names if state.compiled[-1].action(u) == "recompute"}
                 targets = {t for t, d in PLANS[name][0].items() if t.startswith(f"layers.{i}.")
@@ -164,7 +164,7 @@ def test_compiled_unit_names_equal_eager_trace(spec: str):
     with optimize(model, plan=_plan({f"{container}.0.{module}": "recompute"})) as handle:
         torch.manual_seed(0)
         bundle.loss(batch).backward()
-        state = handle._executor._sac[0]
+        state = handle._executor.selective.states[0]
         eager = state.trace.units
         model.get_submodule(f"{container}.0").compile(backend="aot_eager")
         torch.manual_seed(0)

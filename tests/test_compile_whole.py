@@ -58,7 +58,7 @@ def test_whole_model_select_plan_without_inputs_is_exact_with_no_graph_break():
         assert counters["stats"]["unique_graphs"] == 1
         assert handle._check is None, "the first-forward name check did not run"
         for i in range(2):  # the compiled selective-checkpoint policy tagged the plan's units
-            state = handle._executor._sac[i]
+            state = handle._executor.selective.states[i]
             assert state.trace is None and state.compiled
             recomputed = {u for u in state.compiled[-1].names if state.compiled[-1].action(u) == "recompute"}
             for target in (t for t in SELECT if t.startswith(f"layers.{i}.")):

@@ -240,5 +240,5 @@ def test_checkpoint_group_with_a_cache_runs_as_one_group_after_its_checking_call
             got = step()
             assert torch.equal(got[0], want[0])
             assert all(torch.equal(got[1][k], v) for k, v in want[1].items())
-        assert handle._executor._checked_groups == {0} and not handle._executor._split_groups
+        assert handle._executor.groups.checked == {0} and not handle._executor.groups.split
     assert not [r for r in caplog.records if "checkpoint group" in r.getMessage()]

@@ -16,8 +16,9 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from profiler._paths import COMPILE_CHILD, is_compile_wrapper
+from profiler._structure import is_data_parallel
 
-__all__ = ["clone_module", "fake_clone", "rebind"]
+__all__ = ["clone_module", "fake_clone", "fake_mode_of", "rebind"]
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
                "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
@@ -47,7 +48,7 @@ class _Through(nn.Module):
 
 
 def _wrapped_child(module: nn.Module) -> str | None:
-    if isinstance(module, (nn.DataParallel, nn.parallel.DistributedDataParallel)):
+    if is_data_parallel(module):
         return "module"
     return COMPILE_CHILD if is_compile_wrapper(module) else None
 
@@ -152,3 +153,12 @@ def fake_clone(model: nn.Module, fake_mode: Any) -> tuple[nn.Module, dict[int, n
             new = torch.empty_strided(tuple(t.shape), tuple(t.stride()), dtype=t.dtype, device=t.device)
             return nn.Parameter(new, requires_grad=t.requires_grad) if is_param else new
     return clone_module(model, make)
+
+
+def fake_mode_of(model: nn.Module) -> Any:
+    """The fake mode ``model``'s parameters live in (a model built on the meta device), else a new one that also
+    takes real tensors."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
+
+    param = next(model.parameters(), None)
+    return (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)

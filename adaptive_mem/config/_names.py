@@ -8,19 +8,22 @@ A config names ops by their *local* name (the unit or module path with the
 
 from __future__ import annotations
 
+import inspect
 import logging
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiler._kinds import LayerKinds, layer_kinds
+from profiler._kinds import LayerKinds
 from profiler._paths import named_modules
-from profiler._units import LayerInfo, UnitNamer, find_layers, join, leaf_label
+from profiler._structure import ModelStructure
+from profiler._units import LayerInfo, UnitNamer, join, leaf_label
 
-from ._clone import fake_clone
+from ._clone import fake_clone, fake_mode_of
 from ._collective_names import layout_collectives
 from ._errors import ConfigError, fmt, match_key
 
@@ -166,56 +169,23 @@ def _traced_units(model: nn.Module, info: LayerInfo, layers: list[int]) -> dict[
 
     Catches op units run by a non-leaf module itself (``feed_forward.w1.matmul``, HF ``self_attn.flash_attention``).
     """
-    import inspect
-
-    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
         return {}
-    param = next(model.parameters(), None)
-    fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_mode_of(model)
     try:
         model, _ = fake_clone(model, fake)  # Note: [throw-away clone]
     except Exception:  # noqa: BLE001 - a model that cannot be copied: structural names only
         return {}
-    namer = UnitNamer(model)
+    namer = UnitNamer(model, layers=info)
     prefixes = [info.layer_path(i) + "." for i in layers]
     found: list[dict[str, None]] = [{} for _ in prefixes]
-
-    class _Collect(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            name = namer.name(func, args)  # every op: the namer keeps its regions (Note: [wrapper ops])
-            if func.namespace != "aten" or not any(isinstance(o, torch.Tensor) for o in
-                                                   (out if isinstance(out, (tuple, list)) else (out,))):
-                return out  # metadata queries (prim.device) create no unit
-            for k, prefix in enumerate(prefixes):
-                if name is not None and name.startswith(prefix):
-                    found[k][name[len(prefix):]] = None
-            return out
-
-    class _Stop(Exception):
-        pass
-
-    def stop(module, args, output):
-        raise _Stop  # the last layer to name is all we need: skip the rest of the forward
-
-    for prefix in prefixes:
-        for module in model.get_submodule(prefix[:-1]).modules():
-            module.register_forward_pre_hook(lambda m, a: namer.enter(m))
-            module.register_forward_hook(lambda m, a, o: namer.exit(m))
-    model.get_submodule(prefixes[-1][:-1]).register_forward_hook(stop)
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        params = {}
+    _name_layers(model, namer, prefixes)
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[]), fake:
             tokens = torch.zeros(1, 4, dtype=torch.long, device=embedding.weight.device)
-            extra = {"decoder_input_ids": tokens} if "decoder_input_ids" in params else {}
-            with _Collect():
+            extra = {"decoder_input_ids": tokens} if "decoder_input_ids" in _parameters(model) else {}
+            with _Collect(namer, prefixes, found):
                 model(tokens, **extra)
     except _Stop:
         pass
@@ -224,17 +194,62 @@ def _traced_units(model: nn.Module, info: LayerInfo, layers: list[int]) -> dict[
     return {i: tuple(f) for i, f in zip(layers, found)}
 
 
-def layer_names(model: nn.Module | None) -> LayerNames:
-    """Names of ``model``'s layers; ``None`` means the reference Llama's (for planning without a model)."""
+class _Stop(Exception):
+    """Raised after the last layer to name: the rest of the forward is skipped."""
+
+
+class _Collect(TorchDispatchMode):
+    """Collects the local unit names of the ops run in the layers at ``prefixes``, one dict per layer."""
+
+    def __init__(self, namer: UnitNamer, prefixes: list[str], found: list[dict[str, None]]) -> None:
+        super().__init__()
+        self.namer, self.prefixes, self.found = namer, prefixes, found
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = self.namer.name(func, args)  # every op: the namer keeps its regions (Note: [wrapper ops])
+        if func.namespace != "aten" or not any(isinstance(o, torch.Tensor) for o in
+                                               (out if isinstance(out, (tuple, list)) else (out,))):
+            return out  # metadata queries (prim.device) create no unit
+        for k, prefix in enumerate(self.prefixes):
+            if name is not None and name.startswith(prefix):
+                self.found[k][name[len(prefix):]] = None
+        return out
+
+
+def _name_layers(model: nn.Module, namer: UnitNamer, prefixes: list[str]) -> None:
+    """The namer's hooks on the modules of the layers at ``prefixes``; the last one stops the forward."""
+    def stop(module, args, output):
+        raise _Stop
+
+    for prefix in prefixes:
+        for module in model.get_submodule(prefix[:-1]).modules():
+            module.register_forward_pre_hook(lambda m, a: namer.enter(m))
+            module.register_forward_hook(lambda m, a, o: namer.exit(m))
+    model.get_submodule(prefixes[-1][:-1]).register_forward_hook(stop)
+
+
+def _parameters(model: nn.Module) -> Mapping[str, Any]:
+    """The parameters of ``model.forward``'s signature; empty when it has none to read."""
+    try:
+        return inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def layer_names(model: nn.Module | None, *, structure: ModelStructure | None = None) -> LayerNames:
+    """Names of ``model``'s layers (from its ``structure`` when found already); ``None`` means the reference
+    Llama's (for planning without a model)."""
     if model is None:
         return _reference_names()
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model={fmt(model)}: expected a torch.nn.Module")
-    info = find_layers(model)
+    structure = structure.of_model(model) if structure is not None else ModelStructure.of(model)
+    info = structure.layers
     if info is None or info.count == 0:
         raise ConfigError(f"model {type(model).__name__}: no repeated layers found; expected a ModuleList of "
                           "identical blocks (the layers a config's layer indices refer to)")
-    kinds = layer_kinds(model, info)  # Note: [layer kinds]
+    kinds = structure.kinds  # Note: [layer kinds]
     firsts = list(dict.fromkeys(kinds.first))
     traced = _traced_units(model, info, firsts)
     by_kind = {}

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from profiler._paths import named_modules
-from profiler._units import find_layers
+from profiler._structure import ModelStructure
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier
@@ -75,10 +75,10 @@ class SwapManager:
     """
 
     def __init__(self, model: nn.Module, *, profile: Any = None, device: torch.device | None = None,
-                 host_budget: Any = None) -> None:
+                 host_budget: Any = None, structure: ModelStructure | None = None) -> None:
         self.model = model
         self.device = device or next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.layers_info = find_layers(model)
+        self.layers_info = (structure.of_model(model) if structure is not None else ModelStructure.of(model)).layers
         self.layers = ([model.get_submodule(self.layers_info.layer_path(i)) for i in range(self.layers_info.count)]
                        if self.layers_info else [])
         self.engine = SwapEngine(device=self.device, num_layers=len(self.layers), host_budget=host_budget)

@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from profiler._fingerprint import input_fingerprint, split_fingerprint, structure_fingerprint
+from profiler._fingerprint import input_fingerprint, split_fingerprint
+from profiler._structure import ModelStructure, is_data_parallel
 from profiler._units import UnitNamer
 from search._plan import Plan, PlanError
 
@@ -108,11 +109,11 @@ def _dtype_name(model: nn.Module) -> str:
     return str(param.dtype).removeprefix("torch.") if param is not None else "float32"
 
 
-def _check_structure(plan: Plan, model: nn.Module) -> None:
+def _check_structure(plan: Plan, structure: ModelStructure) -> None:
     if not plan.fingerprint:
         return
     want, _ = split_fingerprint(plan.fingerprint)
-    have = structure_fingerprint(model)
+    have = structure.fingerprint
     if want != have:
         described = ", ".join(f"{k}={v}" for k, v in plan.model.items()) or "another model"
         raise PlanError(f"plan.fingerprint: model structure mismatch: the plan was made for {described} "
@@ -143,14 +144,15 @@ def check_inputs(plan: Plan, model: nn.Module, args: tuple, kwargs: dict) -> Non
                         f"(inputs {want_inputs}); the model got shapes {shapes} in {dtype}")
 
 
-def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> list[str]:
+def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None, *,
+                structure: ModelStructure | None = None) -> list[str]:
     """Unit names of one forward of ``model`` on fake tensors (nothing allocated, no RNG consumed), run on a
-    fake clone of it (Note: [throw-away clone])."""
-    from torch._subclasses.fake_tensor import FakeTensorMode, maybe_get_fake_mode
+    fake clone of it (Note: [throw-away clone]; the clone has the paths of ``model``'s ``structure``)."""
+    from torch._subclasses.fake_tensor import maybe_get_fake_mode
     from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
     from torch.utils._pytree import tree_map
 
-    from adaptive_mem.config._clone import fake_clone
+    from adaptive_mem.config._clone import fake_clone, fake_mode_of
 
     names: dict[str, None] = {}
 
@@ -162,10 +164,10 @@ def trace_units(model: nn.Module, args: tuple, kwargs: dict | None = None) -> li
             return func(*a, **(k or {}))
 
     with _disable_current_modes(), torch.random.fork_rng(devices=[]):
-        param = next(model.parameters(), None)
-        fake = (maybe_get_fake_mode(param) if param is not None else None) or FakeTensorMode(allow_non_fake_inputs=True)
+        fake = fake_mode_of(model)
         clone, _ = fake_clone(model, fake)
-        namer = UnitNamer(clone)
+        namer = UnitNamer(clone, layers=(structure.of_model(model) if structure is not None
+                                         else ModelStructure.of(model)).layers)
         for module in clone.modules():
             module.register_forward_pre_hook(lambda m, a: namer.enter(m))
             module.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
@@ -180,18 +182,17 @@ def _unwrap_data_parallel(model: nn.Module, plan: Plan) -> nn.Module:
     """The model a ``DistributedDataParallel`` / ``DataParallel`` wrapper runs, unless the plan names the wrapper's
     paths (``module.``...): a plan of the bare model applies before or after wrapping (Note: [data-parallel
     wrapper], guarded by tests/test_parallel_exec.py); the wrapper's forward calls it, so its hooks run."""
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    if not isinstance(model, (DataParallel, DistributedDataParallel)):
+    if not is_data_parallel(model):
         return model
     return model if any(t == "module" or t.startswith("module.") for t in plan.decisions) else model.module
 
 
 def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
                profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
-               host_dir: str | None = None, host_memory_budget: Any = None) -> OptimizeHandle:
+               host_dir: str | None = None, host_memory_budget: Any = None,
+               structure: ModelStructure | None = None) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed (the arguments
-    are :func:`adaptive_mem.optimize`'s without ``budget``)."""
+    are :func:`adaptive_mem.optimize`'s without ``budget``; ``structure``: ``model``'s, when found already)."""
     if host_store not in ("memory", "file"):
         raise ValueError(f"optimize: host_store={host_store!r}: expected 'memory' or 'file'")
     host_budget = as_host_budget(host_memory_budget)
@@ -200,7 +201,8 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
     previous = _APPLIED.get(model)
     if previous is not None and previous() is not None and previous().active:
         raise ValueError("optimize: this model already has a plan applied; remove() its handle first")
-    _check_structure(plan, model)
+    structure = structure.of_model(model) if structure is not None else ModelStructure.of(model)
+    _check_structure(plan, structure)
     units = None
     if profile is not None:
         if isinstance(profile, (str, Path)):
@@ -210,33 +212,19 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
         units = [u.name for u in profile.units]
     elif example_inputs is not None:
         check_inputs(plan, model, tuple(example_inputs), {})
-        units = trace_units(model, tuple(example_inputs))
-    res = resolve_plan(plan, model, units=units)
+        units = trace_units(model, tuple(example_inputs), structure=structure)
+    res = resolve_plan(plan, model, units=units, structure=structure)
     summary = summarize(plan, res, units=units, profile=profile)
     if plan.distribute_saved_activations and any(m is LayerMode.WHOLE for m in res.modes):
         try:
             from adaptive_mem.runtime._distributed_checkpoint import distributed_checkpoint  # noqa: F401
         except ImportError as exc:
             raise PlanError(f"plan.distribute_saved_activations=true: not available here ({exc})") from None
-    executor = Executor(model, plan, res, host_store=host_store, host_dir=host_dir, host_budget=host_budget)
+    executor = Executor(model, plan, res, structure=structure, host_store=host_store, host_dir=host_dir,
+                        host_budget=host_budget)
     handle = OptimizeHandle(model, plan, executor, res, summary=summary)
-    needs_check = bool(plan.fingerprint or plan.model or res.provisional) and example_inputs is None
-    if needs_check:
-        # Note: [first forward outside dynamo]: under torch.compile(model) the pre-hook runs from the wrapper's
-        # eager __call__, but dynamo would compile the hook's own frames (fake-tensor trace: graph breaks).
-        @torch.compiler.disable
-        def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            handle._check.remove()
-            handle._check = None
-            try:
-                check_inputs(plan, model, args, kwargs)
-                if res.provisional:
-                    _verify_provisional(model, res.provisional, args, kwargs)
-            except PlanError:
-                handle.remove()
-                raise
-        handle._check = model.register_forward_pre_hook(first_forward, prepend=True, with_kwargs=True)
-        executor.own(handle._check)  # Note: [copy drops the plan]
+    if bool(plan.fingerprint or plan.model or res.provisional) and example_inputs is None:
+        _check_first_forward(handle, executor, structure)
     executor.install()
     _APPLIED[model] = weakref.ref(handle)
     if config is None:  # the config front-ends log the seeds' lines themselves
@@ -247,12 +235,34 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
     return handle
 
 
-def _verify_provisional(model: nn.Module, targets: list[str], args: tuple, kwargs: dict) -> None:
+def _check_first_forward(handle: OptimizeHandle, executor: Executor, structure: ModelStructure) -> None:
+    """Check the first forward's inputs against the plan, and its provisional targets against a trace of it; a
+    refusal removes the plan."""
+    plan, model, res = handle.plan, handle.model, handle.resolution
+
+    # Note: [first forward outside dynamo]: under torch.compile(model) the pre-hook runs from the wrapper's
+    # eager __call__, but dynamo would compile the hook's own frames (fake-tensor trace: graph breaks).
+    @torch.compiler.disable
+    def first_forward(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        handle._check.remove()
+        handle._check = None
+        try:
+            check_inputs(plan, model, args, kwargs)
+            if res.provisional:
+                _verify_provisional(structure, res.provisional, args, kwargs)
+        except PlanError:
+            handle.remove()
+            raise
+    handle._check = model.register_forward_pre_hook(first_forward, prepend=True, with_kwargs=True)
+    executor.own(handle._check)  # Note: [copy drops the plan]
+
+
+def _verify_provisional(structure: ModelStructure, targets: list[str], args: tuple, kwargs: dict) -> None:
     targets = [t for t in targets if not is_collective_unit(t)]  # Note: [collective units]: checked when traced
     if not targets:
         return
     try:
-        units = trace_units(model, args, kwargs)
+        units = trace_units(structure.model, args, kwargs, structure=structure)
     except Exception as exc:  # a model fake tensors cannot run: the names stay unverified
         log.warning("could not trace unit names on fake tensors (%s); plan targets %s are unverified",
                     type(exc).__name__, ", ".join(targets))

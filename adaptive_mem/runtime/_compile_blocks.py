@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from profiler._paths import is_compile_wrapper
-from profiler._units import find_layers
+from profiler._structure import ModelStructure
 
 from adaptive_mem.config._errors import ConfigError, fmt
 
@@ -93,9 +93,11 @@ class CompiledLayers:
         self.remove()
 
 
-def check_blocks(model: nn.Module, value: Any, *, key: str = "compile") -> list[str]:
-    """The layer paths ``compile=`` will compile; raises ConfigError when there are none or one is compiled."""
-    layers = find_layers(model)
+def check_blocks(model: nn.Module, value: Any, *, key: str = "compile",
+                 structure: ModelStructure | None = None) -> list[str]:
+    """The layer paths ``compile=`` will compile (``structure``: ``model``'s, when found already); raises
+    ConfigError when there are none or one is compiled."""
+    layers = (structure.of_model(model) if structure is not None else ModelStructure.of(model)).layers
     if layers is None or layers.count == 0:
         raise ConfigError(f"{key}={fmt(value)}: {type(model).__name__} has no repeated layers to compile per block; "
                           "expected a model with repeated layers (or compile it yourself: torch.compile(model))")
@@ -110,12 +112,13 @@ def check_blocks(model: nn.Module, value: Any, *, key: str = "compile") -> list[
     return paths
 
 
-def compile_blocks(model: nn.Module, value: Any, *, key: str = "compile") -> CompiledLayers | None:
+def compile_blocks(model: nn.Module, value: Any, *, key: str = "compile",
+                   structure: ModelStructure | None = None) -> CompiledLayers | None:
     """Compile each repeated layer of ``model`` in place (``layer.compile``); None when ``value`` asks for nothing."""
     options = compile_options(value, key=key)
     if options is None:
         return None
-    paths = check_blocks(model, value, key=key)
+    paths = check_blocks(model, value, key=key, structure=structure)
     modules = [model.get_submodule(p) for p in paths]
     for module in modules:
         module.compile(**options)

@@ -34,6 +34,8 @@ from torch.utils._pytree import tree_flatten
 from profiler._paths import is_compile_wrapper
 from search._plan import Action
 
+from ._op_swap import OpSwaps
+from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 
 __all__ = ["CompiledBlocks"]
@@ -46,27 +48,32 @@ _MARK = "_adaptive_mem_block"
 class CompiledBlocks:
     """The compiled-block wrappers of one executor (Note: [swap around compiled blocks])."""
 
-    def __init__(self, executor: Any) -> None:  # the Executor (its module imports this one)
-        self.ex = executor
+    def __init__(self, ctx: PlanContext, swaps: OpSwaps, sac: dict[int, Any], on_wrap: Callable[[], None]) -> None:
+        """``sac``: the selectively checkpointed layers' states by index (``SelectiveLayers.states``); ``on_wrap``
+        runs after new blocks are wrapped (the copy guard takes them in: Note: [copy drops the plan])."""
+        self.ctx = ctx
+        self.swaps = swaps
+        self.sac = sac
+        self.on_wrap = on_wrap
         self.handles: dict[int, list[Any]] = {}
         self.layer_hooks: dict[int, list[Any]] = {}  # the executor's hooks on the layer module itself
         self.attrs: list[tuple[nn.Module, str, bool, Any, Any]] = []  # (module, name, had, old, wrapper)
         self.whole_swap = self._whole_swap_layers()
-        self.op_swap = [i for i, m in enumerate(executor.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap]
+        self.op_swap = [i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap]
         """Layers holding op-level swaps: they stay eager when compiled."""
         self._warned = False
 
     def _whole_swap_layers(self) -> dict[int, int]:
         """Layers the plan swaps as a whole -> their backward prefetch; a whole-layer recompute with its input
         swapped too (what its compiled block saves is that input: Note: [swapped checkpoint input])."""
-        ex = self.ex
-        out = dict(ex.res.input_swaps)
-        for i, mode in enumerate(ex.res.modes):
+        ctx = self.ctx
+        out = dict(ctx.res.input_swaps)
+        for i, mode in enumerate(ctx.res.modes):
             if mode is not LayerMode.SWAP:
                 continue
-            path = ex.res.layers.layer_path(i)
-            cover = decide(ex.plan, path)
-            inner = [d for t, d in ex.plan.decisions.items() if t.startswith(path + ".")]
+            path = ctx.res.layers.layer_path(i)
+            cover = decide(ctx.plan, path)
+            inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
             if cover.action is Action.SWAP and all(
                     d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
                 out[i] = cover.backward_prefetch
@@ -79,24 +86,24 @@ class CompiledBlocks:
                 self.layer_hooks.setdefault(layer, []).append(handle)
 
     def _target(self, i: int) -> tuple[nn.Module, str] | None:
-        ex = self.ex
-        current = ex.model.get_submodule(ex.res.layers.layer_path(i))
-        for module in (current, ex.layers[i]):
+        ctx = self.ctx
+        current = ctx.model.get_submodule(ctx.res.layers.layer_path(i))
+        for module in (current, ctx.layers[i]):
             if is_compile_wrapper(module):
                 return module, "forward"
-        for module in (ex.layers[i], current):
+        for module in (ctx.layers[i], current):
             if getattr(module, "_compiled_call_impl", None) is not None:
                 return module, "_compiled_call_impl"
         return None
 
     def sync(self) -> None:
         """Wrap the blocks compiled since the last call (at each planned forward; outside dynamo)."""
-        ex = self.ex
-        if ex.res.layers is None:
+        ctx = self.ctx
+        if ctx.res.layers is None:
             return
         changed = False
-        for i in range(ex.num_layers):
-            sac = ex._sac.get(i)
+        for i in range(ctx.num_layers):
+            sac = self.sac.get(i)
             if i in self.op_swap or (sac is not None and getattr(sac, "swaps", True)):
                 continue  # eager paths (Note: [compile honoured])
             target = self._target(i)
@@ -114,7 +121,7 @@ class CompiledBlocks:
             module.__dict__[name] = wrapper
             changed = True
         if changed:
-            ex._copies.install()
+            self.on_wrap()
 
     def remove(self) -> None:
         for module, name, had, old, wrapper in reversed(self.attrs):
@@ -127,59 +134,59 @@ class CompiledBlocks:
         self.handles.clear()
 
     def _wrap(self, i: int, call: Callable[..., Any]) -> Callable[..., Any]:
-        ex = self.ex
+        ctx = self.ctx
         prefetch = self.whole_swap.get(i)
 
         def block(*args: Any, **kwargs: Any) -> Any:
-            entry = ex._pushed[-1] if ex._pushed else None
+            entry = self.swaps.pushed[-1] if self.swaps.pushed else None
             if entry is None:  # no grad, or called outside the planned model's forward
                 return call(*args, **kwargs)
-            ex._last_layer = i
+            self.swaps.last_layer = i
             with contextlib.ExitStack() as stack:
                 tracker = entry[-1] if len(entry) > 2 else None
                 if tracker is not None and _get_current_dispatch_mode() is not tracker:
                     self._warn_mode(i)
-                    ex._quiet_layer = True  # the namer's hooks inside the block are gone
+                    self.swaps.quiet_layer = True  # the namer's hooks inside the block are gone
                 else:
                     if tracker is not None:
                         stack.enter_context(_pop_mode_temporarily())
                     stack.enter_context(torch.compiler.set_stance("default"))
                 if prefetch is not None:
                     stack.enter_context(torch.autograd.graph.saved_tensors_hooks(
-                        self._packer(i, prefetch, args, kwargs), ex._unpack))
+                        self._packer(i, prefetch, args, kwargs), self.swaps.unpack))
                 out = call(*args, **kwargs)
-            ex._quiet_layer = False
-            if prefetch is not None and i not in ex.res.input_swaps:  # its outputs are the swapped layer's, as the
+            self.swaps.quiet_layer = False
+            if prefetch is not None and i not in ctx.res.input_swaps:  # its outputs are the swapped layer's, as the
                 # op tracker records them eagerly
-                label = ex.res.layers.layer_path(i)
+                label = ctx.res.layers.layer_path(i)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
                         st = t.untyped_storage()
-                        ex._producer[st._cdata] = (weakref.ref(st), label, i, prefetch)
-            ex._on_grad_of(out, i)
+                        self.swaps.producer[st._cdata] = (weakref.ref(st), label, i, prefetch)
+            self.swaps.on_grad_of(out, i)
             return out
 
         setattr(block, _MARK, True)
         return torch.compiler.disable(block)
 
     def _packer(self, i: int, prefetch: int, args: tuple, kwargs: dict) -> Callable[[torch.Tensor], Any]:
-        ex = self.ex
-        layer = ex.layers[i]
-        label = ex.res.layers.layer_path(i)
+        ctx = self.ctx
+        layer = ctx.layers[i]
+        label = ctx.res.layers.layer_path(i)
         inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
         frozen = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
 
         def pack(t: torch.Tensor) -> Any:
             key = t.untyped_storage()._cdata
-            if key in inputs and i not in ex.res.input_swaps:
-                return ex._pack(t)
+            if key in inputs and i not in ctx.res.input_swaps:
+                return self.swaps.pack(t)
             if isinstance(t, nn.Parameter) or key in frozen:
                 return t
-            return ex.engine.offload(t, label=label, layer=i, prefetch=prefetch)
+            return ctx.engine.offload(t, label=label, layer=i, prefetch=prefetch)
         return pack
 
     def _warn_mode(self, i: int) -> None:
         if not self._warned:
             self._warned = True
             log.warning("adaptive_mem: compiled block %s runs eager: a dispatch mode entered inside the model's "
-                        "forward sits above the swap engine's op tracker", self.ex.res.layers.layer_path(i))
+                        "forward sits above the swap engine's op tracker", self.ctx.res.layers.layer_path(i))

@@ -9,7 +9,8 @@ input; gradients stay exact (tests/test_encoder_decoder.py). A replay that wrote
 could not be undone, so a group whose call carries a cache (Note: [cache in recompute]) runs its first
 call per layer, checking each member's inputs the same way, and as one group from then on.
 
-:class:`GroupPaths` is a mixin of ``Executor``; the attributes annotated on it are set by ``Executor.__init__``.
+:class:`CheckpointGroups` makes the forwards of a group's layers; it shares the plan's state through its
+:class:`~adaptive_mem.runtime._plan_context.PlanContext`.
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ._layer_cache import cache_snapshot, has_cache, replays_on_snapshot
+from ._plan_context import PlanContext
+from ._recompute import WholeLayers
 
-__all__ = ["GroupPaths"]
+__all__ = ["CheckpointGroups"]
 
 log = logging.getLogger(__name__)
 
@@ -86,23 +89,24 @@ def _differing_input(used_args: tuple, used_kwargs: dict, args: tuple, kwargs: d
     return None
 
 
-class GroupPaths:
-    """The group half of ``Executor``: a group head runs the whole group in one checkpoint."""
+class CheckpointGroups:
+    """A group head runs the whole group in one checkpoint; each member hands back its share of the result."""
 
-    layers: list[nn.Module]
-    _group_outputs: dict[int, tuple[torch.Tensor | None, Any, tuple, dict]]
-    _split_groups: set[int]
-    _checked_groups: set[int]
-    _cache_warned: set[str]
-    _orig: Callable[[int], Callable[..., Any]]
-    _whole: Callable[[int], Callable[..., Any]]
-    _opaque_run: Callable[[Callable[..., Any]], Callable[..., Any]]
-    _ckpt: Callable[..., Any]
+    def __init__(self, ctx: PlanContext, whole: WholeLayers) -> None:
+        self.ctx = ctx
+        self.whole = whole
+        self.outputs: dict[int, tuple[torch.Tensor | None, Any, tuple, dict]] = {}
+        """Member index -> (hidden states it must be called with, its output or None, the inputs the replay used)."""
+        self.split: set[int] = set()
+        """First layers of the groups run per layer for good (Note: [group inputs])."""
+        self.checked: set[int] = set()
+        """First layers of the groups whose members' inputs a first call with a cache checked."""
 
-    def _group_head(self, group: list[int]) -> Callable[..., Any]:
-        origs = [self._orig(j) for j in group]
+    def head(self, group: list[int]) -> Callable[..., Any]:
+        ctx = self.ctx
+        origs = [ctx.orig(j) for j in group]
         head = origs[0]
-        whole = self._whole(group[0])
+        whole = self.whole.forward(group[0])
 
         def run_group(*args: Any, **kwargs: Any) -> tuple:
             outs = []
@@ -112,36 +116,35 @@ class GroupPaths:
                 args, kwargs = _with_hidden(args, kwargs, _first_tensor(out))
             return tuple(outs)
 
-        run = self._opaque_run(run_group)
+        run = ctx.opaque_run(run_group)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return head(*args, **kwargs)
-            if group[0] in self._split_groups:  # Note: [group inputs]
+            if group[0] in self.split:  # Note: [group inputs]
                 return whole(*args, **kwargs)
-            if group[0] not in self._checked_groups and has_cache(args, kwargs):
+            if group[0] not in self.checked and has_cache(args, kwargs):
                 out = whole(*args, **kwargs)  # a first call with a cache runs per layer, checking inputs
-                self._group_outputs[group[1]] = (_first_tensor(out), None, *_with_hidden(args, kwargs,
-                                                                                         _first_tensor(out)))
+                self.outputs[group[1]] = (_first_tensor(out), None, *_with_hidden(args, kwargs, _first_tensor(out)))
                 return out
-            args, kwargs, fresh = cache_snapshot(self.layers[group[0]], args, kwargs, self._cache_warned)
-            outs = self._ckpt(group[0], replays_on_snapshot(run, fresh), *args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(ctx.layers[group[0]], args, kwargs, ctx.cache_warned)
+            outs = ctx.checkpoint(group[0], replays_on_snapshot(run, fresh), *args, **kwargs)
             for k, j in enumerate(group[1:]):
                 member_args, member_kwargs = _with_hidden(args, kwargs, _first_tensor(outs[k]))
-                self._group_outputs[j] = (_first_tensor(outs[k]), outs[k + 1], member_args, member_kwargs)
+                self.outputs[j] = (_first_tensor(outs[k]), outs[k + 1], member_args, member_kwargs)
             return outs[0]
         return forward
 
-    def _group_member(self, i: int, group: list[int]) -> Callable[..., Any]:
-        orig = self._orig(i)
-        whole = self._whole(i)
+    def member(self, i: int, group: list[int]) -> Callable[..., Any]:
+        orig = self.ctx.orig(i)
+        whole = self.whole.forward(i)
         position = group.index(i)
-        names = _positional_names(self.layers[i])
+        names = _positional_names(self.ctx.layers[i])
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if group[0] in self._split_groups and torch.is_grad_enabled():
+            if group[0] in self.split and torch.is_grad_enabled():
                 return whole(*args, **kwargs)
-            pending = self._group_outputs.pop(i, None)
+            pending = self.outputs.pop(i, None)
             if pending is None:
                 if torch.is_grad_enabled():
                     raise RuntimeError(f"layer {i} of a checkpoint group ran without its group's first layer")
@@ -152,20 +155,25 @@ class GroupPaths:
                                    "groups need layers that feed each other directly")
             differs = _differing_input(used_args, used_kwargs, args, kwargs, names)
             if differs is not None:
-                self._split_groups.add(group[0])  # Note: [group inputs]
-                for j in group[position + 1:]:
-                    self._group_outputs.pop(j, None)
-                log.warning("adaptive_mem: checkpoint group of layers %d-%d runs as per-layer recompute: layer %d "
-                            "takes %s from the layer before it, which one group checkpoint cannot replay",
-                            group[0], group[-1], i, differs)
-                return whole(*args, **kwargs)
+                return self._split(i, group, differs, whole, args, kwargs)
             if out is not None:
                 return out
             out = whole(*args, **kwargs)  # checking call (a cache): the next member is checked against it
             if i == group[-1]:
-                self._checked_groups.add(group[0])
+                self.checked.add(group[0])
             else:
                 nxt = _first_tensor(out)
-                self._group_outputs[group[position + 1]] = (nxt, None, *_with_hidden(used_args, used_kwargs, nxt))
+                self.outputs[group[position + 1]] = (nxt, None, *_with_hidden(used_args, used_kwargs, nxt))
             return out
         return forward
+
+    def _split(self, i: int, group: list[int], differs: str, whole: Callable[..., Any], args: tuple,
+               kwargs: dict) -> Any:
+        """Member ``i`` takes another input than the replay gave it: the group runs per layer from now on."""
+        self.split.add(group[0])  # Note: [group inputs]
+        for j in group[group.index(i) + 1:]:
+            self.outputs.pop(j, None)
+        log.warning("adaptive_mem: checkpoint group of layers %d-%d runs as per-layer recompute: layer %d "
+                    "takes %s from the layer before it, which one group checkpoint cannot replay",
+                    group[0], group[-1], i, differs)
+        return whole(*args, **kwargs)

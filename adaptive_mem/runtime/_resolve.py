@@ -15,9 +15,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from profiler._kinds import layer_kinds
 from profiler._paths import named_modules
-from profiler._units import COLLECTIVE_LABELS, LayerInfo, find_layers, join, leaf_label
+from profiler._structure import ModelStructure
+from profiler._units import COLLECTIVE_LABELS, LayerInfo, join, leaf_label
 from search._plan import Action, Decision, Plan, PlanError, matches
 
 from adaptive_mem.runtime._functions import function_labels
@@ -116,10 +116,10 @@ def _catalogue(model: nn.Module) -> tuple[set[str], set[str], set[str]]:
     return modules, leaves, inner
 
 
-def _check_targets(plan: Plan, model: nn.Module, units: Iterable[str] | None) -> list[str]:
+def _check_targets(plan: Plan, structure: ModelStructure, units: Iterable[str] | None) -> list[str]:
     """Raise :class:`PlanError` for a target that names nothing in ``model``; return the provisional ones (op
     units of non-leaf modules and collectives, checked against a trace at the first forward)."""
-    modules, leaves, inner = _catalogue(model)
+    modules, leaves, inner = _catalogue(structure.model)
     known_units = set(units) if units is not None else None
     provisional: list[str] = []
     for target in plan.decisions:
@@ -136,17 +136,38 @@ def _check_targets(plan: Plan, model: nn.Module, units: Iterable[str] | None) ->
         known = modules | leaves | (known_units or set())
         sample = sorted(u for u in (known_units or leaves))
         hint = ", ".join(sample[:6]) + (", ..." if len(sample) > 6 else "")
-        raise PlanError(_not_in_its_layer(target, model, known) or f"plan.decisions.{target!r}: no such unit or "
+        raise PlanError(_not_in_its_layer(target, structure, known) or f"plan.decisions.{target!r}: no such unit or "
                         f"module in this model; expected a module path or a unit name such as {hint}")
     return provisional
 
 
-def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None) -> Resolution:
-    """Check every target, group and action against ``model``; raise :class:`PlanError` or return the modes."""
-    provisional = _check_targets(plan, model, units)
-    layers = find_layers(model)
-    count = layers.count if layers is not None else 0
-    paths = [layers.layer_path(i) for i in range(count)] if layers else []
+def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = None,
+                 structure: ModelStructure | None = None) -> Resolution:
+    """Check every target, group and action against ``model`` (its ``structure`` when found already); raise
+    :class:`PlanError` or return the modes."""
+    structure = structure.of_model(model) if structure is not None else ModelStructure.of(model)
+    provisional = _check_targets(plan, structure, units)
+    layers = structure.layers
+    paths = structure.layer_paths
+    _check_recompute_targets(plan, layers, paths)
+    modes = [_layer_mode(plan, path) for path in paths]
+    groups = _checked_groups(plan, layers, modes, paths)
+    input_swaps = _input_swaps(plan, paths, modes, groups)
+    swap_outside = False
+    for target, decision in plan.decisions.items():
+        if decision.action is not Action.SWAP:
+            continue
+        owner = next((i for i, p in enumerate(paths) if target == p or target.startswith(p + ".")), None)
+        if owner is None or modes[owner] is LayerMode.SWAP:
+            swap_outside = True
+    if plan.distribute_saved_activations and not any(m is LayerMode.WHOLE for m in modes):
+        log.warning("distribute_saved_activations is set but no layer is recomputed as a whole: nothing to distribute")
+    return Resolution(layers=layers, modes=modes, groups=groups, swap_outside_sac=swap_outside,
+                      provisional=provisional, input_swaps=input_swaps)
+
+
+def _check_recompute_targets(plan: Plan, layers: LayerInfo | None, paths: list[str]) -> None:
+    """Recompute targets lie inside the repeated layers (or name a whole stack of them)."""
     for target, decision in plan.decisions.items():
         if decision.action is not Action.RECOMPUTE:
             continue
@@ -158,18 +179,22 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
             raise PlanError(f"plan.decisions.{target!r}: action recompute outside the repeated layers; expected "
                             f"recompute targets inside {where}")
 
-    modes: list[LayerMode] = []
-    for path in paths:
-        cover = decide(plan, path).action
-        inner_targets = [t for t in plan.decisions if t.startswith(path + ".")]
-        actions = {cover} | {plan.decisions[t].action for t in inner_targets}
-        if Action.RECOMPUTE not in actions:
-            modes.append(LayerMode.SWAP if Action.SWAP in actions else LayerMode.PLAIN)
-        elif actions == {Action.RECOMPUTE}:
-            modes.append(LayerMode.WHOLE)
-        else:
-            modes.append(LayerMode.SAC)
 
+def _layer_mode(plan: Plan, path: str) -> LayerMode:
+    """The mode of the layer at ``path``: from the decision covering it and the targets inside it."""
+    cover = decide(plan, path).action
+    inner_targets = [t for t in plan.decisions if t.startswith(path + ".")]
+    actions = {cover} | {plan.decisions[t].action for t in inner_targets}
+    if Action.RECOMPUTE not in actions:
+        return LayerMode.SWAP if Action.SWAP in actions else LayerMode.PLAIN
+    if actions == {Action.RECOMPUTE}:
+        return LayerMode.WHOLE
+    return LayerMode.SAC
+
+
+def _checked_groups(plan: Plan, layers: LayerInfo | None, modes: list[LayerMode], paths: list[str]) -> list[list[int]]:
+    """The plan's checkpoint groups of more than one layer: whole-layer recomputes of one stack, disjoint."""
+    count = len(paths)
     groups = []
     for g, group in enumerate(plan.groups):
         for i in group:
@@ -188,7 +213,11 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         if seen & set(group):
             raise PlanError(f"plan.groups: layer(s) {sorted(seen & set(group))} in two groups; expected disjoint groups")
         seen |= set(group)
+    return groups
 
+
+def _input_swaps(plan: Plan, paths: list[str], modes: list[LayerMode], groups: list[list[int]]) -> dict[int, int]:
+    """Layer index -> ``backward_prefetch`` of each whole-layer recompute whose checkpoint input is swapped."""
     input_swaps: dict[int, int] = {}
     grouped = {i for g in groups for i in g}
     for target, decision in plan.decisions.items():
@@ -206,25 +235,14 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
                 raise PlanError(f"plan.decisions.{target!r}: swap_input with distribute_saved_activations=true; "
                                 "expected one of the two for a layer input")
             input_swaps[i] = decision.backward_prefetch
-
-    swap_outside = False
-    for target, decision in plan.decisions.items():
-        if decision.action is not Action.SWAP:
-            continue
-        owner = next((i for i, p in enumerate(paths) if target == p or target.startswith(p + ".")), None)
-        if owner is None or modes[owner] is LayerMode.SWAP:
-            swap_outside = True
-    if plan.distribute_saved_activations and not any(m is LayerMode.WHOLE for m in modes):
-        log.warning("distribute_saved_activations is set but no layer is recomputed as a whole: nothing to distribute")
-    return Resolution(layers=layers, modes=modes, groups=groups, swap_outside_sac=swap_outside,
-                      provisional=provisional, input_swaps=input_swaps)
+    return input_swaps
 
 
-def _not_in_its_layer(target: str, model: nn.Module, known: set[str]) -> str | None:
+def _not_in_its_layer(target: str, structure: ModelStructure, known: set[str]) -> str | None:
     """Note: [layer kinds]: the refusal of a target naming a module (or a unit below one) that other layers have but
     not its own (``model.layers.1.linear_attn`` on a full-attention layer of Qwen3-Next), naming the layer's kind
     and what it has instead; None when no other layer has it either."""
-    layers = find_layers(model)
+    layers = structure.layers
     index, local = layers.split(target) if layers is not None else (None, "")
     if index is None or not local:
         return None
@@ -236,7 +254,7 @@ def _not_in_its_layer(target: str, model: nn.Module, known: set[str]) -> str | N
         elsewhere = [j for j in range(layers.count) if f"{layers.layer_path(j)}.{name}" in known]
         if not elsewhere:
             return None
-        kinds = layer_kinds(model, layers)
+        kinds = structure.kinds
         have = [m for m in kinds.modules[index] if "." not in m]
         shown = ", ".join(map(str, elsewhere[:8])) + (", ..." if len(elsewhere) > 8 else "")
         return (f"plan.decisions.{target!r}: layer {index} ({layers.layer_path(index)}) is a layer "

@@ -20,9 +20,10 @@ non-view ops of that unit ran before it in the same layer call.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -134,74 +135,98 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
     sees: DTensor-level ops and the layout's collectives. The pass runs those collectives once, on every rank
     of the group at the same layer call (each rank prepares the layer at its first call with grad), so the
     ranks stay in step (tests/test_parallel_exec.py)."""
+    tensors = tree_flatten((args, kwargs))[0] + list(layer.parameters())
+    with _disable_current_modes(), torch.random.fork_rng(devices=_devices(tensors)):
+        try:
+            recorder, saved = _fake_pass(layer, forward, counter, args, kwargs)
+        except Exception as exc:  # data-dependent ops: learn the same facts from one real forward, discarded
+            log.info("fake-tensor pass of the layer failed (%s: %s); tracing it on real tensors once",
+                     type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
+            recorder, saved = _real_pass(layer, forward, counter, args, kwargs)
+    trace = recorder.trace
+    trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
+    trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
+    return trace
+
+
+def _fake_pass(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, args: tuple,
+               kwargs: dict) -> tuple[_Recorder, set[int]]:
+    """The pass on a fake clone; raises for a layer that needs real tensors."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from adaptive_mem.config._clone import clone_module, fake_clone, rebind
+    from adaptive_mem.config._clone import fake_clone
 
-    namer = counter.namer
+    if any(_is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
+        raise _RealPass("DTensor parameters (tensor parallel)")
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    clone, originals = fake_clone(layer, fake)
+    fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x, (args, kwargs))
+    install_fake_fallbacks()  # Note: [fake op fallbacks]
+    with fake:
+        return _run_on(layer, forward, counter, clone, originals, fargs, fkwargs)
+
+
+def _real_pass(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, args: tuple,
+               kwargs: dict) -> tuple[_Recorder, set[int]]:
+    """The pass on a real clone (parameters aliased read-only, buffers copied); its graph is discarded."""
+    from adaptive_mem.config._clone import clone_module
+
+    versions = [(p, p._version) for p in layer.parameters()]
+    clone, originals = clone_module(layer, lambda t, is_param: nn.Parameter(
+        t.detach(), requires_grad=t.requires_grad) if is_param else t.detach().clone(), layout_hooks=True)
+    rargs, rkwargs = tree_map(lambda x: x.detach().requires_grad_(x.requires_grad)
+                              if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
+    out = _run_on(layer, forward, counter, clone, originals, rargs, rkwargs)
+    changed = [p for p, v in versions if p._version != v]
+    if changed:
+        raise RuntimeError(f"selective checkpoint: the layer's forward wrote to {len(changed)} of its "
+                           "parameters in place; op-level plans need a forward that leaves them unchanged")
+    return out
+
+
+def _run_on(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, clone: nn.Module,
+            originals: dict[int, nn.Module], cargs: tuple, ckwargs: dict) -> tuple[_Recorder, set[int]]:
+    """One layer call on ``clone``, named as ``layer``: the recorder, and the storages autograd saved."""
+    from adaptive_mem.config._clone import rebind
+
+    call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
     saved: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         saved.add(t.untyped_storage()._cdata)
         return no_cycle(t)  # the clone's graph is dropped without backward
 
-    def run_on(clone: nn.Module, originals: dict[int, nn.Module], cargs: tuple, ckwargs: dict) -> _Recorder:
-        call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
-        aliased = [id(c) for c in clone.modules() if id(originals[id(c)]) in namer.paths]
-        for c in clone.modules():
-            o = id(originals[id(c)])
-            if o in namer.paths:
-                namer.paths[id(c)] = namer.paths[o]
-                if o in namer.leaves:
-                    namer.leaves.add(id(c))
-                    namer.labels[id(c)] = namer.labels[o]
-            c.register_forward_pre_hook(lambda m, a: namer.enter(m), prepend=True)  # Note: [collective units]
-            c.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
-        trace = LayerTrace()
-        saved.clear()
-        recorder = _Recorder(counter, trace)
-        stack, namer._stack = namer._stack, [(clone, {})]
+    recorder = _Recorder(counter, LayerTrace())
+    with _named_as_originals(counter.namer, clone, originals):
         counter.reset()
-        try:
-            with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-                call(*cargs, **ckwargs)
-        finally:
-            namer._stack = stack
-            for key in aliased:
-                namer.paths.pop(key, None)
-                namer.leaves.discard(key)
-                namer.labels.pop(key, None)
-        return recorder
+        with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            call(*cargs, **ckwargs)
+    return recorder, saved
 
-    tensors = tree_flatten((args, kwargs))[0] + list(layer.parameters())
-    with _disable_current_modes(), torch.random.fork_rng(devices=_devices(tensors)):
-        try:
-            if any(_is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
-                raise _RealPass("DTensor parameters (tensor parallel)")
-            fake = FakeTensorMode(allow_non_fake_inputs=True)
-            clone, originals = fake_clone(layer, fake)
-            fargs, fkwargs = tree_map(lambda x: fake.from_tensor(x) if isinstance(x, torch.Tensor) else x,
-                                      (args, kwargs))
-            install_fake_fallbacks()  # Note: [fake op fallbacks]
-            with fake:
-                recorder = run_on(clone, originals, fargs, fkwargs)
-        except Exception as exc:  # data-dependent ops: learn the same facts from one real forward, discarded
-            log.info("fake-tensor pass of the layer failed (%s: %s); tracing it on real tensors once",
-                     type(exc).__name__, str(exc).splitlines()[0][:120] if str(exc) else "")
-            versions = [(p, p._version) for p in layer.parameters()]
-            clone, originals = clone_module(layer, lambda t, is_param: nn.Parameter(
-                t.detach(), requires_grad=t.requires_grad) if is_param else t.detach().clone(), layout_hooks=True)
-            rargs, rkwargs = tree_map(lambda x: x.detach().requires_grad_(x.requires_grad)
-                                      if isinstance(x, torch.Tensor) and x.is_floating_point() else x, (args, kwargs))
-            recorder = run_on(clone, originals, rargs, rkwargs)
-            changed = [p for p, v in versions if p._version != v]
-            if changed:
-                raise RuntimeError(f"selective checkpoint: the layer's forward wrote to {len(changed)} of its "
-                                   "parameters in place; op-level plans need a forward that leaves them unchanged")
-    trace = recorder.trace
-    trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
-    trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
-    return trace
+
+@contextlib.contextmanager
+def _named_as_originals(namer: UnitNamer, clone: nn.Module, originals: dict[int, nn.Module]) -> Iterator[None]:
+    """For one pass: the clone's modules named by ``namer`` as the originals they copy, the namer's hooks on them,
+    and the namer's stack starting at the clone."""
+    aliased = [id(c) for c in clone.modules() if id(originals[id(c)]) in namer.paths]
+    for c in clone.modules():
+        o = id(originals[id(c)])
+        if o in namer.paths:
+            namer.paths[id(c)] = namer.paths[o]
+            if o in namer.leaves:
+                namer.leaves.add(id(c))
+                namer.labels[id(c)] = namer.labels[o]
+        c.register_forward_pre_hook(lambda m, a: namer.enter(m), prepend=True)  # Note: [collective units]
+        c.register_forward_hook(lambda m, a, o: namer.exit(m), always_call=True)
+    stack, namer._stack = namer._stack, [(clone, {})]
+    try:
+        yield
+    finally:
+        namer._stack = stack
+        for key in aliased:
+            namer.paths.pop(key, None)
+            namer.leaves.discard(key)
+            namer.labels.pop(key, None)
 
 
 class SacPolicy:

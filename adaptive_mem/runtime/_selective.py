@@ -1,0 +1,192 @@
+"""Selective checkpoint of the :class:`~adaptive_mem.runtime._executor.Executor`: a layer in ``LayerMode.SAC`` runs
+under a :class:`SacPolicy` that keeps, recomputes or swaps each aten op's output, and the cache slots of swapped
+outputs are handed to the :class:`SwapEngine`. Eager, the policy names each op by module (the namer's hooks);
+while dynamo traces a layer without swap units, the compile-mode policy does (Note: [compiled SAC names] in
+``_compiled_sac.py``; Note: [compile honoured] in ``_op_level.py``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from search._plan import Action, matches
+
+from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
+from ._layer_cache import cache_snapshot, replays_on_snapshot
+from ._op_level import outside_dynamo
+from ._plan_context import PlanContext
+from ._resolve import decide, is_collective_unit, kept_collectives
+from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
+from ._swap_engine import Packed
+
+__all__ = ["SacLayer", "SelectiveLayers"]
+
+log = logging.getLogger(__name__)
+
+
+class _SwappedEntry:
+    """Stands in a selective-checkpoint cache slot for a swapped output; reloads on first use."""
+
+    def __init__(self, packed: Packed) -> None:
+        self.packed: Packed | None = packed
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        packed, self.packed = self.packed, None
+        assert packed is not None, "selective-checkpoint cache entry read twice"
+        return packed.unpack()
+
+
+class SacLayer:
+    """Per-layer state of a selectively checkpointed layer (traced on its first call with grad)."""
+
+    def __init__(self, index: int, counter: OpCounter) -> None:
+        self.index = index
+        self.counter = counter
+        self.trace: LayerTrace | None = None
+        self.actions: dict[str, str] = {}
+        self.policy: SacPolicy | None = None
+        self.swap_outputs: dict[int, str] = {}
+        self.swaps = False  # some unit of the layer is swapped: the layer runs the eager policy
+        self.compiled: list[CompiledSacPolicy] = []  # policies of the compiled bodies traced (Note: [compiled SAC names])
+
+
+class SelectiveLayers:
+    """The selectively checkpointed layers of one plan: ``states`` by layer index."""
+
+    def __init__(self, ctx: PlanContext) -> None:
+        self.ctx = ctx
+        self.states: dict[int, SacLayer] = {}
+
+    def forward(self, i: int) -> Callable[..., Any]:
+        """Layer ``i``'s forward under selective checkpoint."""
+        ctx = self.ctx
+        layer = ctx.layers[i]
+        orig = ctx.orig(i)
+        state = self.states[i] = SacLayer(i, OpCounter(ctx.namer))
+        eager = outside_dynamo(self._eager_forward(state, layer, orig), eager_callees=True)
+        path = ctx.namer.paths[id(layer)]
+        state.swaps = decide(ctx.plan, path).action is Action.SWAP or any(
+            d.action is Action.SWAP and matches(path, t) for t, d in ctx.plan.decisions.items())
+        if state.swaps:  # Note: [compile honoured]: the swapped cache slots need the eager policy
+            return eager
+        return self._compilable_forward(state, layer, orig, eager)
+
+    def _eager_forward(self, state: SacLayer, layer: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
+        """The checkpoint under the eager policy, whose replay names its ops from the layer down."""
+        ctx = self.ctx
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            saved_stack = ctx.namer._stack
+            ctx.namer._stack = [(layer, {})]
+            state.counter.reset()
+            ctx.opaque += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                ctx.opaque -= 1
+                ctx.namer._stack = saved_stack
+
+        run = outside_dynamo(run, eager_callees=True)  # also when backward replays it
+        contexts: list[Any] = []
+
+        def context_fn() -> tuple[Any, Any]:
+            fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(state.policy)
+            contexts.append(fwd_ctx)
+            return fwd_ctx, rec_ctx
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            if not torch.is_grad_enabled():
+                return orig(*args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(layer, args, kwargs, ctx.cache_warned)  # Note: [cache in recompute]
+            if state.trace is None:
+                self._prepare(state, layer, orig, *(fresh() if fresh is not None else (args, kwargs)))
+            state.swap_outputs = {}
+            contexts.clear()
+            out = checkpoint(replays_on_snapshot(run, fresh), *args, use_reentrant=False, context_fn=context_fn,
+                             **kwargs)
+            if state.swap_outputs:
+                self._swap_cache_entries(state, contexts[0])
+            contexts.clear()
+            return out
+        return forward
+
+    def _compilable_forward(self, state: SacLayer, layer: nn.Module, orig: Callable[..., Any],
+                            eager: Callable[..., Any]) -> Callable[..., Any]:
+        """Eager: ``eager``; while dynamo traces the layer: a checkpoint under the compile-mode policy."""
+        ctx = self.ctx
+        inner = getattr(layer, "_orig_mod", None) if hasattr(layer, "dynamo_ctx") else None
+        body = inner if inner is not None else orig
+        actions: dict[str, str] = {}
+
+        def action(unit: str) -> str:
+            if unit not in actions:
+                actions[unit] = decide(ctx.plan, unit).action.value
+            return actions[unit]
+
+        compiled_ctx = compiled_sac_context(namer=ctx.namer, layer=layer, action=action, seen=state.compiled)
+
+        def traced(*args: Any, **kwargs: Any) -> Any:
+            if not torch.compiler.is_compiling():
+                return eager(*args, **kwargs)
+            if not torch.is_grad_enabled():
+                return body(*args, **kwargs)
+            args, kwargs, fresh = cache_snapshot(layer, args, kwargs, ctx.cache_warned)
+            return checkpoint(replays_on_snapshot(body, fresh), *args, use_reentrant=False, context_fn=compiled_ctx,
+                              **kwargs)
+        return layer.dynamo_ctx(traced) if inner is not None else traced
+
+    def _prepare(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
+                 kwargs: dict) -> None:
+        ctx = self.ctx
+        state.trace = trace = trace_layer(layer, forward, state.counter, args, kwargs)
+        prefix = ctx.namer.layers.layer_path(state.index) + "." if ctx.namer.layers else ""
+        for target in (t for t in ctx.plan.decisions if t.startswith(prefix) and is_collective_unit(t)):
+            if not any(matches(target, u) for u in trace.units):
+                log.warning("plan target %s: layer %d issues no such collective (no tensor-parallel layout here); "
+                            "it decides nothing", target, state.index)  # Note: [collective units]
+        actions = {u: decide(ctx.plan, u).action for u in trace.units}
+        for unit in trace.units:
+            if actions[unit] is Action.SWAP:
+                recomputed = sorted(c for c in trace.consumers.get(unit, ()) if actions.get(c) is Action.RECOMPUTE)
+                if recomputed:
+                    log.info("Swap of %s dropped: its output is consumed by recomputed %s", unit, recomputed[0])
+                    actions[unit] = Action.KEEP
+        state.actions = {u: a.value for u, a in actions.items()}
+        if ctx.engine is None:
+            assert all(a != "swap" for a in state.actions.values())
+
+        def on_swap_output(out: Any, unit: str) -> None:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    state.swap_outputs[t.untyped_storage()._cdata] = unit
+
+        state.policy = SacPolicy(state.counter, trace,
+                                 lambda unit: state.actions.get(unit) or decide(ctx.plan, unit).action.value,
+                                 on_swap_output, cached=kept_collectives(ctx.plan, trace.units))
+
+    def _swap_cache_entries(self, state: SacLayer, fwd_ctx: Any) -> None:
+        """Offload the selective-checkpoint cache slots holding outputs of swap units (private SAC storage:
+        ``{key: {index: tree of _VersionWrapper}}``; guarded by the mixed-layer tests)."""
+        engine = self.ctx.engine
+        assert engine is not None
+
+        def swap(leaf: Any) -> Any:
+            val = getattr(leaf, "val", None)
+            if not isinstance(val, torch.Tensor):
+                return leaf
+            unit = state.swap_outputs.get(val.untyped_storage()._cdata)
+            if unit is None:
+                return leaf
+            prefetch = decide(self.ctx.plan, unit).backward_prefetch
+            return _SwappedEntry(engine.offload(val, label=unit, layer=state.index, prefetch=prefetch))
+
+        for slots in fwd_ctx.storage.values():
+            keys = slots.keys() if isinstance(slots, dict) else range(len(slots))
+            for k in list(keys):
+                slots[k] = tree_map(swap, slots[k])
