@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from profiler._paths import COMPILE_CHILD, module_path
 from ._yaml import load_document
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
+
+log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "adaptive-mem-plan"
 PLAN_VERSION = 1
@@ -106,8 +109,17 @@ def _check_model(model: dict[str, Any]) -> None:
             raise PlanError(f"plan.model.{key}={_short(value)}: expected a string or null")
 
 
+# Note: [one resolution rule]
+# A plan decides each unit by one rule, here, for the simulator (``search/_simulator.py`` resolve) and the
+# executor (``adaptive_mem/runtime/_resolve.py``) alike: a target matches a unit when it is the unit's name or a
+# module path above it (``matches``, on dotted-name boundaries: ``layers.1`` covers ``layers.1.mlp`` but not
+# ``layers.10``); the longest matching target decides, and between equal-length targets marked recompute and
+# swap, recompute takes effect (two targets matching one unit with equal length are the same path, so a plan
+# only meets the tie through targets built by hand; the config front-ends apply their coupling before). A unit
+# no target matches is kept. tests/test_one_rule.py checks that the
+# simulator's assignment and the executor's resolution agree unit by unit on real profiles.
 def matches(target: str, unit: str) -> bool:
-    """A target names a unit, or a module path covering every unit below it."""
+    """A target names a unit, or a module path covering every unit below it (Note: [one resolution rule])."""
     return not target or unit == target or unit.startswith(target + ".")
 
 
@@ -152,12 +164,48 @@ class Plan:
     def __post_init__(self) -> None:
         self.decisions = _module_paths(self.decisions)
 
-    def decision_for(self, unit: str) -> Decision:
+    def target_for(self, unit: str) -> str | None:
+        """The target that decides ``unit``, None when no target matches it (Note: [one resolution rule])."""
         best: str | None = None
-        for target in self.decisions:
-            if matches(target, unit) and (best is None or len(target) > len(best)):
+        for target, decision in self.decisions.items():
+            if not matches(target, unit):
+                continue
+            if best is None or len(target) > len(best):
                 best = target
-        return KEEP if best is None else self.decisions[best]
+            elif len(target) == len(best) and decision.action is Action.RECOMPUTE \
+                    and self.decisions[best].action is Action.SWAP:
+                log.info("Unit %s is marked recompute and swap: recompute takes effect, swap does not", unit)
+                best = target
+        return best
+
+    def decide(self, unit: str) -> Decision:
+        """The decision that takes effect on ``unit``: its target's, keep when none matches
+        (Note: [one resolution rule])."""
+        target = self.target_for(unit)
+        return KEEP if target is None else self.decisions[target]
+
+    decision_for = decide
+
+    def layer_actions(self, path: str) -> set[Action]:
+        """The actions deciding the layer at module path ``path``: its own target's (keep when none) and those of
+        the targets inside it. ``{recompute}`` = recomputed as a whole (Note: [one resolution rule])."""
+        return {self.decide(path).action} | {d.action for t, d in self.decisions.items() if t.startswith(path + ".")}
+
+    def swapped_inputs(self, layer_paths: list[str]) -> dict[int, tuple[str, Decision]]:
+        """Layer index -> (target, decision) of each layer recomputed as a whole whose checkpoint input is swapped
+        (Note: [swapped checkpoint input]); :class:`PlanError` for a ``swap_input`` target covering part of a
+        layer. The layer's own decision carries ``swap_input`` (Note: [one resolution rule])."""
+        out: dict[int, tuple[str, Decision]] = {}
+        for target, decision in self.decisions.items():
+            if not decision.swap_input:
+                continue
+            covered = [i for i, p in enumerate(layer_paths) if matches(target, p) and self.decide(p) == decision]
+            if not covered or any(self.layer_actions(layer_paths[i]) != {Action.RECOMPUTE} for i in covered):
+                raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a "
+                                "whole-layer target (the layer's module path) decided recompute")
+            for i in covered:
+                out.setdefault(i, (target, decision))
+        return out
 
     def targets(self, action: Action) -> list[str]:
         return [t for t, d in self.decisions.items() if d.action is action]

@@ -67,61 +67,44 @@ class Segment:
 
 
 def resolve(model: StepModel, plan: Plan) -> Assignment:
-    """Apply targets (longest match wins), groups and the coupling rules to every unit."""
+    """Apply targets (Note: [one resolution rule]), groups and the coupling rule to every unit."""
     actions: list[Action] = []
     prefetch: list[int] = []
-    swap_in: dict[int, tuple[str, int] | None] = {}  # unit -> (target, prefetch) of a swap_input decision
     for u in model.units:
-        best = -1
-        found: list = []
-        targets: list[str] = []
-        for target, decision in plan.decisions.items():
-            if not target or u.name == target or u.name.startswith(target + "."):
-                if len(target) > best:
-                    best, found, targets = len(target), [decision], [target]
-                elif len(target) == best:
-                    found.append(decision)
-                    targets.append(target)
-        kinds = {d.action for d in found}
-        if Action.RECOMPUTE in kinds and Action.SWAP in kinds:
-            log.info("unit %s is marked both recompute and swap: recomputed", u.name)
-            action = Action.RECOMPUTE
-        else:
-            action = found[0].action if found else Action.KEEP
-        if action is Action.RECOMPUTE and model.layer_of(u.position) is None:
+        decision = plan.decide(u.name)
+        if decision.action is Action.RECOMPUTE and model.layer_of(u.position) is None:
             raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
                             f"recompute targets inside {_layer_pattern(model)}")
-        swap_decision = next((d for d in found if d.action is Action.SWAP), None)
-        swap_in[u.index] = next(((t, d.backward_prefetch) for t, d in zip(targets, found)
-                                 if d.swap_input and action is Action.RECOMPUTE), None)
-        actions.append(action)
-        prefetch.append(swap_decision.backward_prefetch if swap_decision else 1)
+        actions.append(decision.action)
+        prefetch.append(decision.backward_prefetch if decision.action is Action.SWAP else 1)
+    info = model.profile.layer_info()
+    paths = [info.layer_path(i) for i in range(info.count)] if info is not None else []
+    groups = _groups(model, plan, paths)
+    grouped = {p for a, b in groups for p in range(a, b + 1)}
+    inputs: list[tuple[int, int]] = []
+    for layer, (target, decision) in sorted(plan.swapped_inputs(paths).items()):
+        if layer + 1 in grouped:
+            raise PlanError(f"plan.decisions.{target!r}: swap_input on a layer of a checkpoint group; expected it on "
+                            "layers recomputed alone")
+        inputs.append((layer + 1, decision.backward_prefetch))
+    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
+
+
+def _groups(model: StepModel, plan: Plan, paths: list[str]) -> list[tuple[int, int]]:
+    """(first position, last position) of each checkpoint group; :class:`PlanError` for a group that is not of
+    layers recomputed as a whole in one stack."""
     groups: list[tuple[int, int]] = []
     n = model.num_layers
     for g in plan.groups:
         if g[-1] >= n:
             raise PlanError(f"plan.groups={plan.groups!r}: layer {g[-1]} out of range (model has {n} layers)")
         for layer in g:
-            if any(actions[i] is not Action.RECOMPUTE for i in model.positions[layer + 1]):
+            if plan.layer_actions(paths[layer]) != {Action.RECOMPUTE}:
                 raise PlanError(f"plan.groups: layer {layer} of group {g} must be decided recompute as a whole layer")
         if not any(a <= g[0] + 1 and g[-1] + 1 <= b for a, b in model.stack_ranges()):
             raise PlanError(f"plan.groups: group {g} spans two stacks of layers; expected the layers of one stack")
         groups.append((g[0] + 1, g[-1] + 1))
-    grouped = {p for a, b in groups for p in range(a, b + 1)}
-    inputs: list[tuple[int, int]] = []
-    for p, members in enumerate(model.positions):
-        marked = [swap_in[i] for i in members if swap_in[i] is not None]
-        if not marked:
-            continue
-        target = marked[0][0]
-        if len(marked) < len(members) or any(actions[i] is not Action.RECOMPUTE for i in members):
-            raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a whole-layer "
-                            "target (the layer's module path) decided recompute")
-        if p in grouped:
-            raise PlanError(f"plan.decisions.{target!r}: swap_input on a layer of a checkpoint group; expected it on "
-                            "layers recomputed alone")
-        inputs.append((p, marked[0][1]))
-    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
+    return groups
 
 
 def read_by_recompute(model: StepModel, asg: Assignment, i: int) -> bool:
