@@ -20,8 +20,9 @@ from ._model import StepModel
 from ._registry import get_solver
 from ._scaling import profile_for_batch
 from ._simulator import simulate_assignment
-from ._solver import (InfeasibleBudgetError, PredictedCost, Problem, SolveResult, Solver, SolverStats, fmt_bytes,
-                      fmt_seconds, plan_from_assignment)
+from ._sizes import fmt_bytes
+from ._solver import (InfeasibleBudgetError, PredictedCost, Problem, SolveResult, Solver, SolverStats, fmt_seconds,
+                      plan_from_assignment)
 
 __all__ = ["BatchSizesError", "ThroughputRow", "ThroughputResult", "maximize_throughput", "parse_batch_sizes"]
 

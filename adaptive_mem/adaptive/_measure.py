@@ -34,9 +34,9 @@ class AdaptiveBudgetError(ValueError):
 
 
 def _fmt(n: float) -> str:
-    from search._solver import fmt_bytes
+    from search import fmt_bytes
 
-    return f"{fmt_bytes(n)} ({int(n)} bytes)"
+    return fmt_bytes(n, exact=True)
 
 
 class StepMeasurement:
