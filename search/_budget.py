@@ -85,7 +85,7 @@ def activation_model(model: StepModel) -> StepModel:
     """
     if not any(model.grads):
         return model
-    return replace(model, base=model.base + sum(model.grads), grads=[0] * len(model.grads))
+    return replace(model, base=model.static_bytes, grads=[0] * len(model.grads))
 
 
 def keep_all(model: StepModel) -> Assignment:

@@ -98,6 +98,12 @@ class StepModel:
     bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
 
     @property
+    def static_bytes(self) -> int:
+        """Parameters, optimizer state, saved model inputs and every gradient: the bytes a step holds beside its
+        activations once backward has written all gradients."""
+        return self.base + sum(self.grads)
+
+    @property
     def num_layers(self) -> int:
         return len(self.positions) - 2
 

@@ -143,7 +143,7 @@ def _most_saving(model: StepModel, budget: int) -> SolveResult | None:
 def _row(profile: Profile, batch: int, budget: int, solver: Solver, hardware: HardwareSpec | None) -> ThroughputRow:
     source = _source(profile)
     model = StepModel.build(profile, hardware=hardware)
-    shortfall = device_shortfall(model.hardware, static=model.base + sum(model.grads))
+    shortfall = device_shortfall(model.hardware, static=model.static_bytes)
     if shortfall:
         return ThroughputRow(batch, source, None, note=shortfall)
     try:

@@ -75,7 +75,7 @@ def _write(plan, fmt: str, path: str, num_layers: int, layout: Layout | None = N
 
 
 def _static(model) -> int:
-    return model.base + sum(model.grads)
+    return model.static_bytes
 
 
 def _check_device(model, budget: Budget, text: str | None, where: str) -> None:

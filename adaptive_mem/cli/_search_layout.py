@@ -11,7 +11,7 @@ __all__ = ["chunk_budgets", "report_pipeline"]
 
 
 def _static(stage: Stage) -> int:
-    return stage.model.base + sum(stage.model.grads)
+    return stage.model.static_bytes
 
 
 def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[Budget]:
