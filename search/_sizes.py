@@ -13,7 +13,9 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 class BudgetError(ValueError):
-    """A budget or a size that cannot be read, or one that cannot be met."""
+    """A budget or a size that cannot be read, or one that cannot be met: the base of
+    :class:`~search.InfeasibleBudgetError`, :class:`~search.DeviceMemoryError` and
+    ``adaptive_mem.AdaptiveBudgetError``."""
 
 
 def parse_bytes(text: str, *, key: str = "--budget", plain: bool = False) -> int:

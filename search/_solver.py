@@ -17,7 +17,7 @@ from ._compiled_space import compiled_blocks, project, whole_swap
 from ._model import StepModel
 from ._plan import Action, Decision, Plan
 from ._simulator import Assignment, simulate_assignment
-from ._sizes import fmt_bytes
+from ._sizes import BudgetError, fmt_bytes
 from ._timeline import Simulation
 
 __all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "Solver", "SolverStats", "fmt_bytes",
@@ -26,7 +26,7 @@ __all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "
 log = logging.getLogger(__name__)
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(BudgetError):
     """No plan of the solver's space fits the memory budget."""
 
 

@@ -112,3 +112,17 @@ def test_longest_target_decides_on_dotted_boundaries(spec):
         assert decide(plan, u.name).action is want, u.name
         assert asg.actions[u.index] is want or (want is Action.SWAP and read_by_recompute(step, asg, u.index))
     assert plan.target_for(layer_paths[1] + "0.mlp") is None  # layers.1 does not cover layers.10
+
+
+def test_one_budget_error_base_and_one_bytes_parser():
+    from adaptive_mem.adaptive._measure import AdaptiveBudgetError
+    from adaptive_mem.cli._run import parse_bytes as run_parse_bytes
+    from search import BudgetError, DeviceMemoryError, InfeasibleBudgetError, parse_bytes
+
+    for error in (InfeasibleBudgetError, DeviceMemoryError, AdaptiveBudgetError):
+        assert issubclass(error, BudgetError) and issubclass(error, ValueError)
+    for text in ("40GiB", "1.5 MB", "3k", "2T", "100b", "7 kib"):
+        assert parse_bytes(text) == run_parse_bytes(text, flag="x")
+    assert run_parse_bytes("1500", flag="x") == 1500
+    with pytest.raises(BudgetError, match="--budget='1500': expected a positive size"):
+        parse_bytes("1500")

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._spill import HostBudget
+from search import BudgetError
 from ._target_search import StepRecord, TargetSearch
 from ._wrappers import wrapper_memory
 
@@ -29,7 +30,7 @@ __all__ = ["AdaptiveBudgetError", "StepMeasurement"]
 log = logging.getLogger("adaptive_mem.adaptive._loop")
 
 
-class AdaptiveBudgetError(ValueError):
+class AdaptiveBudgetError(BudgetError):
     """The memory budget is below what the step needs with every swappable activation on the host."""
 
 
