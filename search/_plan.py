@@ -44,6 +44,17 @@ class Action(str, enum.Enum):
     """Copy them to host memory after forward, prefetch them back before backward."""
 
 
+def _check_options(action: Action, prefetch: Any, swap_input: Any, *, where: str) -> None:
+    """``backward_prefetch`` and ``swap_input`` of a decision (``where``: the key prefix the message names)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+        raise PlanError(f"{where}backward_prefetch={_short(prefetch)}: expected an integer >= 0 and <= {MAX_PREFETCH}")
+    if not isinstance(swap_input, bool):
+        raise PlanError(f"{where}swap_input={_short(swap_input)}: expected true or false")
+    if swap_input and action is not Action.RECOMPUTE:
+        raise PlanError(f"{where}swap_input=true with action {action.value}: expected action recompute (the input "
+                        "of a layer recomputed as a whole)")
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -58,15 +69,7 @@ class Decision:
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             object.__setattr__(self, "action", _action(self.action, "action"))
-        if not isinstance(self.swap_input, bool):
-            raise PlanError(f"swap_input={_short(self.swap_input)}: expected true or false")
-        if self.swap_input and self.action is not Action.RECOMPUTE:
-            raise PlanError(f"swap_input=true with action {self.action.value}: expected action recompute (the input "
-                            "of a layer recomputed as a whole)")
-        if isinstance(self.backward_prefetch, bool) or not isinstance(self.backward_prefetch, int) \
-                or not 0 <= self.backward_prefetch <= MAX_PREFETCH:
-            raise PlanError(f"backward_prefetch={_short(self.backward_prefetch)}: expected an integer >= 0 and "
-                            f"<= {MAX_PREFETCH}")
+        _check_options(self.action, self.backward_prefetch, self.swap_input, where="")
 
     def to_dict(self) -> dict[str, Any]:
         if self.action is Action.SWAP:
@@ -107,6 +110,27 @@ def _check_model(model: dict[str, Any]) -> None:
         value = model.get(key)
         if value is not None and not isinstance(value, str):
             raise PlanError(f"plan.model.{key}={_short(value)}: expected a string or null")
+
+
+def _parse_decision(target: Any, spec: Any) -> Decision:
+    """One ``plan.decisions`` entry: ``recompute`` (short form) or ``{action: ..., backward_prefetch: N,
+    swap_input: B}``."""
+    where = f"plan.decisions.{target}"
+    if not isinstance(target, str) or not target:
+        raise PlanError(f"plan.decisions key {_short(target)}: expected a unit or module name")
+    if isinstance(spec, str):
+        spec = {"action": spec}
+    if not isinstance(spec, dict):
+        raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, backward_prefetch: N}}")
+    extra = [k for k in spec if k not in ("action", "backward_prefetch", "swap_input")]
+    if extra:
+        raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch, swap_input")
+    if "action" not in spec:
+        raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
+    action = _action(spec["action"], f"{where}.action")
+    prefetch, swap_input = spec.get("backward_prefetch", 1), spec.get("swap_input", False)
+    _check_options(action, prefetch, swap_input, where=f"{where}.")
+    return Decision(action, prefetch, swap_input)
 
 
 # Note: [one resolution rule]
@@ -266,33 +290,7 @@ class Plan:
         raw = data["decisions"]
         if not isinstance(raw, dict):
             raise PlanError(f"plan.decisions={_short(raw)}: expected a mapping of unit or module name to decision")
-        decisions: dict[str, Decision] = {}
-        for target, spec in raw.items():
-            where = f"plan.decisions.{target}"
-            if not isinstance(target, str) or not target:
-                raise PlanError(f"plan.decisions key {_short(target)}: expected a unit or module name")
-            if isinstance(spec, str):
-                spec = {"action": spec}
-            if not isinstance(spec, dict):
-                raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, "
-                                "backward_prefetch: N}")
-            extra = [k for k in spec if k not in ("action", "backward_prefetch", "swap_input")]
-            if extra:
-                raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch, swap_input")
-            if "action" not in spec:
-                raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
-            action = _action(spec["action"], f"{where}.action")
-            prefetch = spec.get("backward_prefetch", 1)
-            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
-                raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and "
-                                f"<= {MAX_PREFETCH}")
-            swap_input = spec.get("swap_input", False)
-            if not isinstance(swap_input, bool):
-                raise PlanError(f"{where}.swap_input={_short(swap_input)}: expected true or false")
-            if swap_input and action is not Action.RECOMPUTE:
-                raise PlanError(f"{where}.swap_input=true with action {action.value}: expected action recompute "
-                                "(the input of a layer recomputed as a whole)")
-            decisions[target] = Decision(action, prefetch, swap_input)
+        decisions = {target: _parse_decision(target, spec) for target, spec in raw.items()}
         groups = data.get("groups", [])
         if not isinstance(groups, list) or not all(
             isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)
