@@ -32,7 +32,6 @@ from torch.utils.checkpoint import CheckpointPolicy
 
 from profiler import OpCounter
 from profiler._fake_ops import install_fake_fallbacks
-from profiler._units import UnitNamer
 
 from ._swap_engine import no_cycle
 
