@@ -177,7 +177,7 @@ def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, s
 
 
 def _static(model: StepModel) -> int:
-    return model.base + sum(model.grads)
+    return model.static_bytes
 
 
 def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[Budget]:

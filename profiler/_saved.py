@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
 from ._recorder import Recorder
+
+if TYPE_CHECKING:
+    from ._units import UnitNamer
 
 __all__ = ["OpCounter", "OpKey", "SavedOutputs", "saved_outputs", "saved_output_units"]
 
@@ -51,12 +54,15 @@ class SavedOutputs:
 
 
 class OpCounter:
-    """Turns the units of one forward's non-view ops, in order, into :class:`OpKey`s.
+    """Turns the units of one forward's non-view ops, in order, into :class:`OpKey`s: the profiler's saved-output
+    pass and the executor's SAC policy key ops alike (Note: [SAC policy]).
 
-    Use a fresh counter (or :meth:`reset`) per call of the module.
+    Use a fresh counter (or :meth:`reset`) per call of the module. With a ``namer`` (the executor's
+    :class:`~profiler._units.UnitNamer`), :meth:`op_key` names the op's unit first.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, namer: "UnitNamer | None" = None) -> None:
+        self.namer = namer
         self._seen: dict[str, int] = {}
 
     def reset(self) -> None:
@@ -66,6 +72,13 @@ class OpCounter:
         n = self._seen.get(unit, 0)
         self._seen[unit] = n + 1
         return OpKey(unit, n)
+
+    def op_key(self, func: Any, args: tuple = ()) -> OpKey | None:
+        """The key of aten op ``func`` named by the namer; None for an op of no unit."""
+        if self.namer is None:
+            raise ValueError("OpCounter.op_key: namer=None; expected a counter built with a UnitNamer")
+        unit = self.namer.name(func, args)
+        return None if unit is None else self.key(unit)
 
 
 def _fake_mode_of(tree: Any) -> Any:

@@ -11,20 +11,18 @@ from ._solver import (
     SolveResult,
     Solver,
     SolverStats,
-    fmt_bytes,
     fmt_seconds,
     plan_from_assignment,
 )
 from ._registry import UnknownSolverError, get_solver, register_solver, solver_names
 from ._budget import (
     Budget,
-    BudgetError,
     DeviceMemoryError,
     activation_peak,
     check_feasible,
     minimum_budget,
-    parse_bytes,
 )
+from ._sizes import BudgetError, fmt_bytes, parse_bytes
 from ._pipeline import Stage, merge_plans, split_layout, split_stages
 from ._schedules import chunk_layers, in_flight, pipeline_step_time
 from ._synthetic import SyntheticUnit, random_profile, synthetic_profile

@@ -6,7 +6,6 @@ the device-memory check: a peak (or static memory) over the memory of the named 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 
 from profiler._profile import HardwareSpec
@@ -14,35 +13,15 @@ from profiler._profile import HardwareSpec
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, segments, simulate_assignment
-from ._solver import InfeasibleBudgetError, Problem, fmt_bytes
+from ._sizes import BudgetError, fmt_bytes, parse_bytes
+from ._solver import InfeasibleBudgetError, Problem
 
 __all__ = ["Budget", "BudgetError", "DeviceMemoryError", "activation_model", "activation_peak", "check_feasible",
            "device_capacity", "device_shortfall", "keep_all", "minimum_budget", "parse_bytes"]
 
-_UNITS = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*$")
-
-
-class BudgetError(ValueError):
-    """A budget that cannot be read."""
-
 
 class DeviceMemoryError(BudgetError):
     """A budget or a step that cannot fit the memory of the device it is for."""
-
-
-def parse_bytes(text: str, *, key: str = "--budget") -> int:
-    """``40GiB`` -> 42949672960. Units: B, KiB, MiB, GiB, TiB (binary), KB, MB, GB, TB (decimal)."""
-    match = _SIZE.match(str(text))
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise BudgetError(f"{key}={text!r}: expected a size like 40GiB, 512MiB or 80GB "
-                          f"(units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")
-    value = int(float(match.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise BudgetError(f"{key}={text!r}: expected a size > 0")
-    return value
 
 
 @dataclass(frozen=True)
@@ -106,7 +85,7 @@ def activation_model(model: StepModel) -> StepModel:
     """
     if not any(model.grads):
         return model
-    return replace(model, base=model.base + sum(model.grads), grads=[0] * len(model.grads))
+    return replace(model, base=model.static_bytes, grads=[0] * len(model.grads))
 
 
 def keep_all(model: StepModel) -> Assignment:

@@ -83,71 +83,89 @@ class _Counts:
         K, KT, KB = self.K, self.KT, self.KB = len(self.menu), len(self.top_menu), len(self.bot_menu)
         self.nvars = K + KT + KB + 2
         ncol, tcol, bcol, s = np.arange(K), K + np.arange(KT), K + KT + np.arange(KB), K + KT + KB
-        pcol = s + 1
         self.cols = (ncol, tcol, bcol)
-        pre, post = 0, n + 1
-        units = model.units
-        held_pre = sum(units[i].saved for i in model.positions[pre])
-        held_post = sum(units[i].saved for i in model.positions[post])
-        bwd = [sum(units[i].bwd for i in model.positions[q]) for q in range(n + 2)]
-        k = self.k_in
-        cap = (problem.budget - model.base - (k - 1) * (held_pre + held_post) - held_pre) / MIB + 1e-6
-
-        def vec(attr, scale=1.0, menus=menus):
-            return np.concatenate([[getattr(o, attr) * scale for o in m] for m in menus])
-
-        held = vec("held", 1 / MIB)
-        peak = np.concatenate([[(o.transient + o.swapped) / MIB for o in m] for m in menus])
-        lay = slice(0, K + KT + KB)
-        grads = lambda lo: sum(model.grads[q] for q in range(lo, post + 1)) / MIB  # noqa: E731
-        A, lb, ub, self.names = [], [], [], []
-
-        def row(name, coefs, lo, hi):
-            v = np.zeros(self.nvars)
-            for cols, vals in coefs:
-                v[cols] += vals
-            A.append(v)
-            lb.append(lo)
-            ub.append(hi)
-            self.names.append(name)
-
-        row("layers", [(ncol, 1.0)], n - 2, n - 2)
-        row("one_top", [(tcol, 1.0)], 1, 1)
-        row("one_bottom", [(bcol, 1.0)], 1, 1)
-        d2h, tf = vec("d2h", MS), model.forward_time * MS
-        first = units[model.positions[1][0]]
-        start1 = (first.fwd_end - first.fwd) * MS
-        rate = model.hardware.d2h_bandwidth / MIB / MS  # MiB per ms
-        issued = np.array([o.swapped / MIB if o.swapped and o.d >= 1 else 0.0 for o in self.top_menu])
-        # pending: bytes still queued for the host at the end of the forward (P >= rate (start1 + Y - T_f))
-        row("pending", [(pcol, 1.0), (lay, -rate * d2h)], rate * (start1 - tf), np.inf)
-        self.memory_rows = [len(A), len(A) + 1, len(A) + 2]
-        temp = [v / MIB for v in (model.grad_temp or [0] * (n + 2))]
-        row("memory_post", [(lay, k * held), (pcol, 1.0), (tcol, issued)], -np.inf,
-            cap - (held_post + model.boundary + model.grads[post]) / MIB - temp[post])
-        row("memory_top", [(lay, k * held), (tcol, peak[tcol])], -np.inf, cap - grads(n) - temp[n])
-        row("memory_bottom", [(lay, (k - 1) * held), (bcol, held[bcol] + peak[bcol])], -np.inf,
-            cap - grads(1) - temp[1])
-        h2d, replay = vec("h2d", MS), vec("replay", MS)
-        on_demand = np.concatenate([[o.h2d * MS if o.swapped and o.d == 0 else 0.0 for o in m] for m in menus])
-        row("on_demand", [(s, 1.0), (lay, -on_demand)], 0, np.inf)
-        avail = (bwd[post] + sum(bwd[1:post])) * MS
-        # top layer: its reloads go after every copy out, and its backward waits for them after post's
-        lead = np.array([o.lead * MS if o.swapped else 0.0 for o in self.top_menu])
-        row("top_lead", [(s, 1.0), (tcol, -lead)], -bwd[post] * MS, np.inf)
-        row("top_after_d2h", [(s, 1.0), (tcol, -lead), (lay, -d2h)], start1 - tf - bwd[post] * MS, np.inf)
-        row("fifo", [(s, 1.0), (lay, replay - h2d)], -avail, np.inf)
-        row("fifo_after_d2h", [(s, 1.0), (lay, replay - h2d - d2h)], start1 - model.forward_time * MS - avail, np.inf)
-        self.A, self.lb, self.ub = np.array(A), np.array(lb), np.array(ub)
+        self.layers = slice(0, K + KT + KB)
+        self.menus = menus
+        self._A: list[np.ndarray] = []
+        self._lb: list[float] = []
+        self._ub: list[float] = []
+        self.names: list[str] = []
+        self.row("layers", [(ncol, 1.0)], n - 2, n - 2)
+        self.row("one_top", [(tcol, 1.0)], 1, 1)
+        self.row("one_bottom", [(bcol, 1.0)], 1, 1)
+        first = model.units[model.positions[1][0]]
+        start1 = (first.fwd_end - first.fwd) * MS  # the first layer's forward start
+        self._memory_rows(problem.budget, start1)
+        self._time_rows(start1)
+        self.A, self.lb, self.ub = np.array(self._A), np.array(self._lb), np.array(self._ub)
+        replay = self.vec("replay", MS)
         self.c = np.zeros(self.nvars)
-        self.layers = lay
-        self.c[lay] = replay
+        self.c[self.layers] = replay
         self.c[s] = 1.0
-        self.swapped = vec("swapped") > 0
+        self.swapped = self.vec("swapped") > 0
         self.const = model.forward_time + model.backward_time + model.other_time
         self.integrality = np.ones(self.nvars)
         self.integrality[s:] = 0
         self.upper = np.concatenate([np.full(K, n - 2), np.ones(KT + KB), [np.inf, np.inf]])
+
+    def vec(self, attr: str, scale: float = 1.0) -> np.ndarray:
+        """One quantity of every option, in column order."""
+        return np.concatenate([[getattr(o, attr) * scale for o in m] for m in self.menus])
+
+    def row(self, name: str, coefs: list, lo: float, hi: float) -> None:
+        v = np.zeros(self.nvars)
+        for cols, vals in coefs:
+            v[cols] += vals
+        self._A.append(v)
+        self._lb.append(lo)
+        self._ub.append(hi)
+        self.names.append(name)
+
+    def _memory_rows(self, budget: int, start1: float) -> None:
+        """``pending`` and the three memory rows of the module docstring."""
+        model, n, k, lay = self.model, self.n, self.k_in, self.layers
+        _, tcol, bcol = self.cols
+        pcol = self.nvars - 1
+        pre, post = 0, n + 1
+        units = model.units
+        held_pre = sum(units[i].saved for i in model.positions[pre])
+        held_post = sum(units[i].saved for i in model.positions[post])
+        cap = (budget - model.base - (k - 1) * (held_pre + held_post) - held_pre) / MIB + 1e-6
+        held = self.vec("held", 1 / MIB)
+        peak = np.concatenate([[(o.transient + o.swapped) / MIB for o in m] for m in self.menus])
+        grads = lambda lo: sum(model.grads[q] for q in range(lo, post + 1)) / MIB  # noqa: E731
+        d2h, tf = self.vec("d2h", MS), model.forward_time * MS
+        rate = model.hardware.d2h_bandwidth / MIB / MS  # MiB per ms
+        issued = np.array([o.swapped / MIB if o.swapped and o.d >= 1 else 0.0 for o in self.top_menu])
+        # pending: bytes still queued for the host at the end of the forward (P >= rate (start1 + Y - T_f))
+        self.row("pending", [(pcol, 1.0), (lay, -rate * d2h)], rate * (start1 - tf), np.inf)
+        self.memory_rows = [len(self._A), len(self._A) + 1, len(self._A) + 2]
+        temp = [v / MIB for v in (model.grad_temp or [0] * (n + 2))]
+        self.row("memory_post", [(lay, k * held), (pcol, 1.0), (tcol, issued)], -np.inf,
+                 cap - (held_post + model.boundary + model.grads[post]) / MIB - temp[post])
+        self.row("memory_top", [(lay, k * held), (tcol, peak[tcol])], -np.inf, cap - grads(n) - temp[n])
+        self.row("memory_bottom", [(lay, (k - 1) * held), (bcol, held[bcol] + peak[bcol])], -np.inf,
+                 cap - grads(1) - temp[1])
+
+    def _time_rows(self, start1: float) -> None:
+        """``on_demand``, ``top_lead`` / ``top_after_d2h`` and ``fifo`` / ``fifo_after_d2h`` of the module
+        docstring."""
+        model, lay, s = self.model, self.layers, self.nvars - 2
+        _, tcol, _ = self.cols
+        post = self.n + 1
+        bwd = [sum(model.units[i].bwd for i in model.positions[q]) for q in range(self.n + 2)]
+        d2h, h2d, replay = self.vec("d2h", MS), self.vec("h2d", MS), self.vec("replay", MS)
+        tf = model.forward_time * MS
+        on_demand = np.concatenate([[o.h2d * MS if o.swapped and o.d == 0 else 0.0 for o in m] for m in self.menus])
+        self.row("on_demand", [(s, 1.0), (lay, -on_demand)], 0, np.inf)
+        avail = (bwd[post] + sum(bwd[1:post])) * MS
+        # top layer: its reloads go after every copy out, and its backward waits for them after post's
+        lead = np.array([o.lead * MS if o.swapped else 0.0 for o in self.top_menu])
+        self.row("top_lead", [(s, 1.0), (tcol, -lead)], -bwd[post] * MS, np.inf)
+        self.row("top_after_d2h", [(s, 1.0), (tcol, -lead), (lay, -d2h)], start1 - tf - bwd[post] * MS, np.inf)
+        self.row("fifo", [(s, 1.0), (lay, replay - h2d)], -avail, np.inf)
+        self.row("fifo_after_d2h", [(s, 1.0), (lay, replay - h2d - d2h)], start1 - model.forward_time * MS - avail,
+                 np.inf)
 
     def solve(self, *, c: np.ndarray | None = None, ub: np.ndarray | None = None, integral: bool = True,
               time_limit: float = 1.0, gap: float = 1e-4):
@@ -214,6 +232,59 @@ def _undominated(menu: list[Option]) -> list[Option]:
     return out
 
 
+@dataclass
+class _Tightening:
+    """MiB taken off the memory rows: the last (``tau``), the largest found too loose, the smallest found enough."""
+
+    tau: float = 0.0
+    over: float | None = None
+    ok: float | None = None
+
+    def record(self, state: str) -> None:
+        if state == "over":
+            self.over = self.tau if self.over is None else max(self.over, self.tau)
+        elif state == "ok":
+            self.ok = self.tau if self.ok is None else min(self.ok, self.tau)
+
+    def advance(self, state: str, excess: float) -> None:
+        if state == "slow":
+            return  # the charged costs move the program
+        if self.ok is None:
+            self.tau = self.over + max(excess, 1.0)
+        elif self.over is not None and self.ok - self.over > 16.0:
+            self.tau = (self.over + self.ok) / 2  # bisect the tightening between too loose and enough
+
+
+def _simulate_layouts(prog: _Counts, problem: Problem, x: np.ndarray, c: np.ndarray, predicted: float,
+                      rel_gap: float, best: tuple[float, Assignment] | None
+                      ) -> tuple[tuple[str, float], tuple[float, Assignment] | None]:
+    """Simulate the layouts of one integer solution ``x``: its verdict (state, excess MiB) and the best plan
+    within the budget so far. A solution whose layouts all stall more than predicted charges its swap options
+    in ``c`` the unseen stall."""
+    counts, top, bot = prog.decode(x)
+    good, over, fastest, fits = False, [], np.inf, False
+    for mid in prog.orders(counts):
+        asg = prog.assignment(mid, top, bot)
+        sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
+        fastest = min(fastest, sim.step_time)
+        close = sim.step_time <= predicted * (1 + rel_gap) + 1e-12  # a layout as fast as the program says
+        if sim.peak_bytes <= problem.budget:
+            if best is None or sim.step_time < best[0]:
+                best = (sim.step_time, asg)
+            good, fits = good or close, True
+        else:
+            over.append(((not close), (sim.peak_bytes - problem.budget) / MIB))
+    # ok: a layout as fast as predicted fits; over: none fits, tighten by the least excess (of the
+    # layouts as fast as predicted first); slow: only slower layouts fit
+    verdict = ("ok" if good else "slow" if fits else "over", min(over, default=(0, 0.0))[1])
+    unseen = fastest - predicted
+    swaps = np.flatnonzero(np.round(x[prog.layers]) * prog.swapped)
+    if not good and unseen > 1e-9 and len(swaps):
+        # every layout stalls more than the rows see: charge the swap options that stall
+        c[swaps] += unseen * MS / float(np.round(x[swaps]).sum())
+    return verdict, best
+
+
 def solve_counts(problem: Problem, menus: tuple[list[Option], list[Option], list[Option]], *, rel_gap: float,
                  time_limit: float, incumbent: tuple[float, Assignment] | None = None) -> CountsResult:
     """Bound + best simulated plan; ``menus`` = (middle layers' shared menu, top layer's, bottom layer's)."""
@@ -234,63 +305,35 @@ def solve_counts(problem: Problem, menus: tuple[list[Option], list[Option], list
     best = incumbent
     c = prog.c.copy()
     rounds, repeats = 1, 0
-    tau, tau_over, tau_ok = 0.0, None, None  # MiB taken off the memory rows: last, largest too loose, smallest ok
+    tight = _Tightening()
     seen: dict = {}
     while True:
         key = prog.decode(res.x)
-        counts, top, bot = key
-        predicted = prog.const + float(c @ res.x) / MS
         if key in seen:
             repeats += 1
         else:
             repeats = 0
-            log.debug("counts round %d (tighten %.0f MiB): %s top %d bot %d, predicted %.6f", rounds, tau,
-                      {j: v for j, v in enumerate(counts) if v}, top, bot, predicted)
-            good, over, fastest, fits = False, [], np.inf, False
-            for mid in prog.orders(counts):
-                asg = prog.assignment(mid, top, bot)
-                sim = simulate_assignment(problem.model, asg, in_flight=problem.in_flight)
-                fastest = min(fastest, sim.step_time)
-                close = sim.step_time <= predicted * (1 + rel_gap) + 1e-12  # a layout as fast as the program says
-                if sim.peak_bytes <= problem.budget:
-                    if best is None or sim.step_time < best[0]:
-                        best = (sim.step_time, asg)
-                    good, fits = good or close, True
-                else:
-                    over.append(((not close), (sim.peak_bytes - problem.budget) / MIB))
-            # ok: a layout as fast as predicted fits; over: none fits, tighten by the least excess (of the
-            # layouts as fast as predicted first); slow: only slower layouts fit
-            seen[key] = ("ok" if good else "slow" if fits else "over", min(over, default=(0, 0.0))[1])
-            unseen = fastest - predicted
-            swaps = np.flatnonzero(np.round(res.x[prog.layers]) * prog.swapped)
-            if not good and unseen > 1e-9 and len(swaps):
-                # every layout stalls more than the rows see: charge the swap options that stall
-                c[swaps] += unseen * MS / float(np.round(res.x[swaps]).sum())
+            predicted = prog.const + float(c @ res.x) / MS
+            log.debug("counts round %d (tighten %.0f MiB): %s top %d bot %d, predicted %.6f", rounds, tight.tau,
+                      {j: v for j, v in enumerate(key[0]) if v}, key[1], key[2], predicted)
+            seen[key], best = _simulate_layouts(prog, problem, res.x, c, predicted, rel_gap, best)
         state, excess = seen[key]
-        if state == "over":
-            tau_over = tau if tau_over is None else max(tau_over, tau)
-        elif state == "ok":
-            tau_ok = tau if tau_ok is None else min(tau_ok, tau)
+        tight.record(state)
         if best is not None and best[0] <= bound * (1 + rel_gap) + 1e-12:
             break
         remaining = time_limit - (time.perf_counter() - start)
         if remaining <= 0.05 or rounds >= 40 or repeats >= 3:
             break
-        if state == "slow":
-            pass  # the charged costs move the program
-        elif tau_ok is None:
-            tau = tau_over + max(excess, 1.0)
-        elif tau_over is not None and tau_ok - tau_over > 16.0:
-            tau = (tau_over + tau_ok) / 2  # bisect the tightening between too loose and enough
+        tight.advance(state, excess)
         ub = prog.ub.copy()
-        ub[prog.memory_rows] -= tau
+        ub[prog.memory_rows] -= tight.tau
         res = prog.solve(c=c, ub=ub, time_limit=min(remaining, 0.2), gap=2e-3)
         rounds += 1
         if res.x is None:
-            if tau_ok is None:
+            if tight.ok is None:
                 break  # tightened past every plan
-            tau_over, tau = None, tau_ok  # back to the last tightening that worked
-            res = prog.solve(c=c, ub=prog.ub - np.isin(np.arange(len(prog.ub)), prog.memory_rows) * tau,
+            tight.over, tight.tau = None, tight.ok  # back to the last tightening that worked
+            res = prog.solve(c=c, ub=prog.ub - np.isin(np.arange(len(prog.ub)), prog.memory_rows) * tight.tau,
                              time_limit=min(remaining, 0.2), gap=2e-3)
             if res.x is None:
                 break

@@ -31,7 +31,8 @@ from ._milp_model import MIB, MS, Program, build_program
 from ._milp_solve import extract, full_ub, run_highs
 from ._plan import Action
 from ._simulator import Assignment, simulate_assignment
-from ._solver import InfeasibleBudgetError, Problem, Solver, fmt_bytes
+from ._sizes import fmt_bytes
+from ._solver import InfeasibleBudgetError, Problem, Solver
 
 __all__ = ["MilpSolver"]
 

@@ -98,6 +98,12 @@ class StepModel:
     bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
 
     @property
+    def static_bytes(self) -> int:
+        """Parameters, optimizer state, saved model inputs and every gradient: the bytes a step holds beside its
+        activations once backward has written all gradients."""
+        return self.base + sum(self.grads)
+
+    @property
     def num_layers(self) -> int:
         return len(self.positions) - 2
 
@@ -173,60 +179,12 @@ class StepModel:
         if hw.h2d_bandwidth <= 0 or hw.d2h_bandwidth <= 0:
             raise ProfileError(f"hardware {hw.name!r}: h2d/d2h bandwidth must be > 0")
         n = profile.num_layers
-        by_name: dict[str, int] = {}
-        units: list[UnitInfo] = []
-        seen_layer = False
-        for i, rec in enumerate(profile.units):
-            if rec.layer is not None:
-                if not 0 <= rec.layer < n:
-                    raise ProfileError(f"profile.units[{i}].layer={rec.layer}: expected 0..{n - 1}")
-                pos = rec.layer + 1
-                seen_layer = True
-            else:
-                pos = n + 1 if seen_layer else 0
-            if rec.name in by_name:
-                raise ProfileError(f"profile.units[{i}].name={rec.name!r}: duplicate unit name")
-            by_name[rec.name] = i
-            extra = 0
-            replay = 0.0
-            for oi in rec.ops:
-                if not 0 <= oi < len(profile.ops):
-                    raise ProfileError(f"profile.units[{i}].ops: index {oi} out of range")
-            units.append(UnitInfo(index=i, name=rec.name, local_name=rec.local_name, position=pos,
-                                  saved=rec.saved_bytes, output=rec.output_bytes, fwd=rec.fwd_time, bwd=rec.bwd_time, pinned=False,
-                                  sac_extra=extra, sac_replay=replay, ops=len(rec.ops)))
+        units, by_name = _unit_infos(profile)
         positions: list[list[int]] = [[] for _ in range(n + 2)]
         for u in units:
             positions[u.position].append(u.index)
-        for members in positions:
-            # Note: [SAC policy] the replay stops early: just before the last op that saves an input or
-            # parameter, or just after the last op that saves its own output, whichever is later.
-            op_ids = sorted(oi for i in members for oi in profile.units[i].ops)
-            stop = op_ids[-1] if op_ids else -1
-            before = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_inputs", False)]
-            after = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_outputs", False)]
-            if before or after:
-                stop = max(max(before, default=-1) - 1, max(after, default=-1))
-            for i in members:
-                ops = [profile.ops[oi] for oi in profile.units[i].ops if oi <= stop]
-                units[i].sac_replay_all = sum(op.fwd_time for op in ops)
-                units[i].sac_replay = sum(op.fwd_time for op in ops if op.saved_bytes == 0)
-        input_extra = [0] * (n + 2)
-        held_inputs: set[tuple[int, int]] = set()
-        for i, rec in enumerate(profile.units):
-            for cname in rec.consumers:
-                j = by_name.get(cname)
-                if j is None and cname in outside:
-                    units[i].pinned = True
-                    continue
-                if j is None:
-                    raise ProfileError(f"profile.units[{i}].consumers: unknown unit {cname!r}")
-                units[i].consumers.append(j)
-                if units[j].position != units[i].position:
-                    units[i].pinned = True
-                    if rec.saved_bytes == 0 and (i, units[j].position) not in held_inputs:
-                        held_inputs.add((i, units[j].position))
-                        input_extra[units[j].position] += rec.output_bytes
+        _sac_replay(profile, units, positions)
+        input_extra = _link_consumers(profile, units, by_name, outside, n)
         t = 0.0
         for u in units:
             t += u.fwd
@@ -237,36 +195,117 @@ class StepModel:
         resident_grads = 0 if per_step else profile.static.gradients
         base = profile.static.total - profile.static.gradients + resident_grads + profile.saved_input_bytes
         boundary = max(0, profile.peak_memory - base - (saved - profile.saved_input_bytes))
-        weight = [0.0] * (n + 2)
-        split = profile.gradient_split
-        if len(split) == n + 2 and sum(split[p] for p in range(n + 2) if positions[p]):
-            weight = [float(split[p]) if positions[p] else 0.0 for p in range(n + 2)]  # a stage: its positions only
-        else:
-            for u, rec in zip(units, profile.units):
-                weight[u.position] += sum(profile.ops[i].flops for i in rec.ops
-                                          if aten_label(profile.ops[i].op) == "matmul")
-        if not sum(weight):
-            weight = [0.0] + [1.0] * n + [0.0] if n else [1.0] * (n + 2)
-        total = profile.static.gradients - resident_grads
-        grads = [int(total * w / sum(weight)) for w in weight]
-        grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
+        grads = _split_gradients(profile, units, positions, profile.static.gradients - resident_grads)
         other = max(0.0, profile.step_time - fwd - bwd) if profile.measured else 0.0
         other += profile.optimizer_time
-        input_swap = [0] * (n + 2)
-        for q in range(1, n + 1):
-            for i in positions[q - 1]:
-                reach = {units[c].position for c in units[i].consumers}
-                if q in reach and reach <= {q - 1, q}:
-                    input_swap[q] += units[i].saved or units[i].output
         largest = profile.gradient_largest
         grad_temp = ([v if positions[p] else 0 for p, v in enumerate(largest)]
                      if not per_step and len(largest) == n + 2 else [0] * (n + 2))
         model = cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
                     base=base, grads=grads, boundary=boundary, other_time=other,
-                    forward_time=fwd, backward_time=bwd, host_budget=host_budget, input_swap=input_swap,
-                    grad_temp=grad_temp)
+                    forward_time=fwd, backward_time=bwd, host_budget=host_budget,
+                    input_swap=_input_swap(units, positions), grad_temp=grad_temp)
         used = 0
         for u in units:
             model.spill_bound.append(model.spill(used, u.saved))
             used += u.saved
         return model
+
+
+def _unit_infos(profile: Profile) -> tuple[list[UnitInfo], dict[str, int]]:
+    """One :class:`UnitInfo` per profiled unit at its position (0 before the layers, ``1 + layer``, ``n + 1``
+    after them), and each unit's index by name."""
+    n = profile.num_layers
+    by_name: dict[str, int] = {}
+    units: list[UnitInfo] = []
+    seen_layer = False
+    for i, rec in enumerate(profile.units):
+        if rec.layer is not None:
+            if not 0 <= rec.layer < n:
+                raise ProfileError(f"profile.units[{i}].layer={rec.layer}: expected 0..{n - 1}")
+            pos = rec.layer + 1
+            seen_layer = True
+        else:
+            pos = n + 1 if seen_layer else 0
+        if rec.name in by_name:
+            raise ProfileError(f"profile.units[{i}].name={rec.name!r}: duplicate unit name")
+        by_name[rec.name] = i
+        for oi in rec.ops:
+            if not 0 <= oi < len(profile.ops):
+                raise ProfileError(f"profile.units[{i}].ops: index {oi} out of range")
+        units.append(UnitInfo(index=i, name=rec.name, local_name=rec.local_name, position=pos,
+                              saved=rec.saved_bytes, output=rec.output_bytes, fwd=rec.fwd_time, bwd=rec.bwd_time,
+                              pinned=False, sac_extra=0, sac_replay=0.0, ops=len(rec.ops)))
+    return units, by_name
+
+
+def _sac_replay(profile: Profile, units: list[UnitInfo], positions: list[list[int]]) -> None:
+    """Each unit's replay seconds under a selective checkpoint of its position: all its ops, and the ops that
+    save nothing, up to where the replay stops."""
+    for members in positions:
+        # Note: [SAC policy] the replay stops early: just before the last op that saves an input or
+        # parameter, or just after the last op that saves its own output, whichever is later.
+        op_ids = sorted(oi for i in members for oi in profile.units[i].ops)
+        stop = op_ids[-1] if op_ids else -1
+        before = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_inputs", False)]
+        after = [oi for oi in op_ids if getattr(profile.ops[oi], "saves_outputs", False)]
+        if before or after:
+            stop = max(max(before, default=-1) - 1, max(after, default=-1))
+        for i in members:
+            ops = [profile.ops[oi] for oi in profile.units[i].ops if oi <= stop]
+            units[i].sac_replay_all = sum(op.fwd_time for op in ops)
+            units[i].sac_replay = sum(op.fwd_time for op in ops if op.saved_bytes == 0)
+
+
+def _link_consumers(profile: Profile, units: list[UnitInfo], by_name: dict[str, int], outside: frozenset[str],
+                    n: int) -> list[int]:
+    """Fill each unit's consumers and pin the units read from another position (or stage); return per position
+    the bytes of inputs from other positions that are not saved anyway."""
+    input_extra = [0] * (n + 2)
+    held_inputs: set[tuple[int, int]] = set()
+    for i, rec in enumerate(profile.units):
+        for cname in rec.consumers:
+            j = by_name.get(cname)
+            if j is None and cname in outside:
+                units[i].pinned = True
+                continue
+            if j is None:
+                raise ProfileError(f"profile.units[{i}].consumers: unknown unit {cname!r}")
+            units[i].consumers.append(j)
+            if units[j].position != units[i].position:
+                units[i].pinned = True
+                if rec.saved_bytes == 0 and (i, units[j].position) not in held_inputs:
+                    held_inputs.add((i, units[j].position))
+                    input_extra[units[j].position] += rec.output_bytes
+    return input_extra
+
+
+def _split_gradients(profile: Profile, units: list[UnitInfo], positions: list[list[int]], total: int) -> list[int]:
+    """``total`` gradient bytes per position: as the profile's ``gradient_split``, else by matmul FLOPs, else
+    evenly over the layers (the remainder to the heaviest position)."""
+    n = len(positions) - 2
+    weight = [0.0] * (n + 2)
+    split = profile.gradient_split
+    if len(split) == n + 2 and sum(split[p] for p in range(n + 2) if positions[p]):
+        weight = [float(split[p]) if positions[p] else 0.0 for p in range(n + 2)]  # a stage: its positions only
+    else:
+        for u, rec in zip(units, profile.units):
+            weight[u.position] += sum(profile.ops[i].flops for i in rec.ops
+                                      if aten_label(profile.ops[i].op) == "matmul")
+    if not sum(weight):
+        weight = [0.0] + [1.0] * n + [0.0] if n else [1.0] * (n + 2)
+    grads = [int(total * w / sum(weight)) for w in weight]
+    grads[max(range(n + 2), key=lambda q: weight[q])] += total - sum(grads)
+    return grads
+
+
+def _input_swap(units: list[UnitInfo], positions: list[list[int]]) -> list[int]:
+    """Per position: the outputs of the previous position read by this position alone (Note: [swapped checkpoint
+    input])."""
+    input_swap = [0] * len(positions)
+    for q in range(1, len(positions) - 1):
+        for i in positions[q - 1]:
+            reach = {units[c].position for c in units[i].consumers}
+            if q in reach and reach <= {q - 1, q}:
+                input_swap[q] += units[i].saved or units[i].output
+    return input_swap

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 import reprlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,8 @@ from profiler._paths import COMPILE_CHILD, module_path
 from ._yaml import load_document
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
+
+log = logging.getLogger(__name__)
 
 PLAN_FORMAT = "adaptive-mem-plan"
 PLAN_VERSION = 1
@@ -41,6 +44,17 @@ class Action(str, enum.Enum):
     """Copy them to host memory after forward, prefetch them back before backward."""
 
 
+def _check_options(action: Action, prefetch: Any, swap_input: Any, *, where: str) -> None:
+    """``backward_prefetch`` and ``swap_input`` of a decision (``where``: the key prefix the message names)."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
+        raise PlanError(f"{where}backward_prefetch={_short(prefetch)}: expected an integer >= 0 and <= {MAX_PREFETCH}")
+    if not isinstance(swap_input, bool):
+        raise PlanError(f"{where}swap_input={_short(swap_input)}: expected true or false")
+    if swap_input and action is not Action.RECOMPUTE:
+        raise PlanError(f"{where}swap_input=true with action {action.value}: expected action recompute (the input "
+                        "of a layer recomputed as a whole)")
+
+
 @dataclass(frozen=True)
 class Decision:
     action: Action
@@ -55,15 +69,7 @@ class Decision:
     def __post_init__(self) -> None:
         if not isinstance(self.action, Action):
             object.__setattr__(self, "action", _action(self.action, "action"))
-        if not isinstance(self.swap_input, bool):
-            raise PlanError(f"swap_input={_short(self.swap_input)}: expected true or false")
-        if self.swap_input and self.action is not Action.RECOMPUTE:
-            raise PlanError(f"swap_input=true with action {self.action.value}: expected action recompute (the input "
-                            "of a layer recomputed as a whole)")
-        if isinstance(self.backward_prefetch, bool) or not isinstance(self.backward_prefetch, int) \
-                or not 0 <= self.backward_prefetch <= MAX_PREFETCH:
-            raise PlanError(f"backward_prefetch={_short(self.backward_prefetch)}: expected an integer >= 0 and "
-                            f"<= {MAX_PREFETCH}")
+        _check_options(self.action, self.backward_prefetch, self.swap_input, where="")
 
     def to_dict(self) -> dict[str, Any]:
         if self.action is Action.SWAP:
@@ -106,8 +112,38 @@ def _check_model(model: dict[str, Any]) -> None:
             raise PlanError(f"plan.model.{key}={_short(value)}: expected a string or null")
 
 
+def _parse_decision(target: Any, spec: Any) -> Decision:
+    """One ``plan.decisions`` entry: ``recompute`` (short form) or ``{action: ..., backward_prefetch: N,
+    swap_input: B}``."""
+    where = f"plan.decisions.{target}"
+    if not isinstance(target, str) or not target:
+        raise PlanError(f"plan.decisions key {_short(target)}: expected a unit or module name")
+    if isinstance(spec, str):
+        spec = {"action": spec}
+    if not isinstance(spec, dict):
+        raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, backward_prefetch: N}}")
+    extra = [k for k in spec if k not in ("action", "backward_prefetch", "swap_input")]
+    if extra:
+        raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch, swap_input")
+    if "action" not in spec:
+        raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
+    action = _action(spec["action"], f"{where}.action")
+    prefetch, swap_input = spec.get("backward_prefetch", 1), spec.get("swap_input", False)
+    _check_options(action, prefetch, swap_input, where=f"{where}.")
+    return Decision(action, prefetch, swap_input)
+
+
+# Note: [one resolution rule]
+# A plan decides each unit by one rule, here, for the simulator (``search/_simulator.py`` resolve) and the
+# executor (``adaptive_mem/runtime/_resolve.py``) alike: a target matches a unit when it is the unit's name or a
+# module path above it (``matches``, on dotted-name boundaries: ``layers.1`` covers ``layers.1.mlp`` but not
+# ``layers.10``); the longest matching target decides, and between equal-length targets marked recompute and
+# swap, recompute takes effect (two targets matching one unit with equal length are the same path, so a plan
+# only meets the tie through targets built by hand; the config front-ends apply their coupling before). A unit
+# no target matches is kept. tests/test_one_rule.py checks that the
+# simulator's assignment and the executor's resolution agree unit by unit on real profiles.
 def matches(target: str, unit: str) -> bool:
-    """A target names a unit, or a module path covering every unit below it."""
+    """A target names a unit, or a module path covering every unit below it (Note: [one resolution rule])."""
     return not target or unit == target or unit.startswith(target + ".")
 
 
@@ -152,12 +188,48 @@ class Plan:
     def __post_init__(self) -> None:
         self.decisions = _module_paths(self.decisions)
 
-    def decision_for(self, unit: str) -> Decision:
+    def target_for(self, unit: str) -> str | None:
+        """The target that decides ``unit``, None when no target matches it (Note: [one resolution rule])."""
         best: str | None = None
-        for target in self.decisions:
-            if matches(target, unit) and (best is None or len(target) > len(best)):
+        for target, decision in self.decisions.items():
+            if not matches(target, unit):
+                continue
+            if best is None or len(target) > len(best):
                 best = target
-        return KEEP if best is None else self.decisions[best]
+            elif len(target) == len(best) and decision.action is Action.RECOMPUTE \
+                    and self.decisions[best].action is Action.SWAP:
+                log.info("Unit %s is marked recompute and swap: recompute takes effect, swap does not", unit)
+                best = target
+        return best
+
+    def decide(self, unit: str) -> Decision:
+        """The decision that takes effect on ``unit``: its target's, keep when none matches
+        (Note: [one resolution rule])."""
+        target = self.target_for(unit)
+        return KEEP if target is None else self.decisions[target]
+
+    decision_for = decide
+
+    def layer_actions(self, path: str) -> set[Action]:
+        """The actions deciding the layer at module path ``path``: its own target's (keep when none) and those of
+        the targets inside it. ``{recompute}`` = recomputed as a whole (Note: [one resolution rule])."""
+        return {self.decide(path).action} | {d.action for t, d in self.decisions.items() if t.startswith(path + ".")}
+
+    def swapped_inputs(self, layer_paths: list[str]) -> dict[int, tuple[str, Decision]]:
+        """Layer index -> (target, decision) of each layer recomputed as a whole whose checkpoint input is swapped
+        (Note: [swapped checkpoint input]); :class:`PlanError` for a ``swap_input`` target covering part of a
+        layer. The layer's own decision carries ``swap_input`` (Note: [one resolution rule])."""
+        out: dict[int, tuple[str, Decision]] = {}
+        for target, decision in self.decisions.items():
+            if not decision.swap_input:
+                continue
+            covered = [i for i, p in enumerate(layer_paths) if matches(target, p) and self.decide(p) == decision]
+            if not covered or any(self.layer_actions(layer_paths[i]) != {Action.RECOMPUTE} for i in covered):
+                raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a "
+                                "whole-layer target (the layer's module path) decided recompute")
+            for i in covered:
+                out.setdefault(i, (target, decision))
+        return out
 
     def targets(self, action: Action) -> list[str]:
         return [t for t, d in self.decisions.items() if d.action is action]
@@ -218,33 +290,7 @@ class Plan:
         raw = data["decisions"]
         if not isinstance(raw, dict):
             raise PlanError(f"plan.decisions={_short(raw)}: expected a mapping of unit or module name to decision")
-        decisions: dict[str, Decision] = {}
-        for target, spec in raw.items():
-            where = f"plan.decisions.{target}"
-            if not isinstance(target, str) or not target:
-                raise PlanError(f"plan.decisions key {_short(target)}: expected a unit or module name")
-            if isinstance(spec, str):
-                spec = {"action": spec}
-            if not isinstance(spec, dict):
-                raise PlanError(f"{where}={_short(spec)}: expected {{action: keep|recompute|swap, "
-                                "backward_prefetch: N}")
-            extra = [k for k in spec if k not in ("action", "backward_prefetch", "swap_input")]
-            if extra:
-                raise PlanError(f"{where}.{extra[0]}: unknown key; expected action, backward_prefetch, swap_input")
-            if "action" not in spec:
-                raise PlanError(f"{where}.action: missing; expected one of keep, recompute, swap")
-            action = _action(spec["action"], f"{where}.action")
-            prefetch = spec.get("backward_prefetch", 1)
-            if isinstance(prefetch, bool) or not isinstance(prefetch, int) or not 0 <= prefetch <= MAX_PREFETCH:
-                raise PlanError(f"{where}.backward_prefetch={_short(prefetch)}: expected an integer >= 0 and "
-                                f"<= {MAX_PREFETCH}")
-            swap_input = spec.get("swap_input", False)
-            if not isinstance(swap_input, bool):
-                raise PlanError(f"{where}.swap_input={_short(swap_input)}: expected true or false")
-            if swap_input and action is not Action.RECOMPUTE:
-                raise PlanError(f"{where}.swap_input=true with action {action.value}: expected action recompute "
-                                "(the input of a layer recomputed as a whole)")
-            decisions[target] = Decision(action, prefetch, swap_input)
+        decisions = {target: _parse_decision(target, spec) for target, spec in raw.items()}
         groups = data.get("groups", [])
         if not isinstance(groups, list) or not all(
             isinstance(g, list) and g and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in g)

@@ -8,120 +8,60 @@ its release. The MILP (``_milp.py``) writes exactly these event sums as its memo
 
 from __future__ import annotations
 
-import functools
 import logging
-from dataclasses import dataclass
 
 from profiler._profile import HardwareSpec, Profile
 
+from ._assignment import Assignment, Segment
 from ._model import StepModel
 from ._plan import Action, Plan, PlanError
-from ._timeline import Interval, Simulation, Timeline
+from ._step_run import StepRun
+from ._timeline import Simulation
 
 __all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment"]
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Assignment:
-    """A plan resolved onto units: one action and prefetch distance per unit, plus groups."""
-
-    actions: tuple[Action, ...]
-    """Per unit (``StepModel.units`` order)."""
-    prefetch: tuple[int, ...]
-    """Per unit: ``backward_prefetch`` of swapped units (ignored for the others)."""
-    groups: tuple[tuple[int, int], ...] = ()
-    """(first position, last position) of each group of layers checkpointed together."""
-    inputs: tuple[tuple[int, int], ...] = ()
-    """(position, prefetch) of each layer recomputed as a whole whose checkpoint input is swapped
-    (Note: [swapped checkpoint input])."""
-
-    @functools.cached_property
-    def grouped(self) -> frozenset[int]:
-        """Positions inside a checkpoint group."""
-        return frozenset(p for a, b in self.groups for p in range(a, b + 1))
-
-
-@dataclass
-class Segment:
-    positions: tuple[int, ...]
-    mode: str
-    """``plain`` (no recompute), ``sac`` (op-level recompute) or ``full`` (whole layer / group)."""
-    units: list[int]
-    hold: dict[int, int]
-    """Bytes each unit leaves on the device at its forward end (swapped bytes excluded)."""
-    inputs: int
-    """Bytes of inputs a full checkpoint holds that are not saved anyway."""
-    swaps: list[int]
-    transient: int
-    replay: float
-    in_swap: int = 0
-    """Bytes of the checkpoint input swapped out after the forward and back before the replay (held by the
-    previous position: only the copies and the reload are this segment's)."""
-    in_prefetch: int = 1
-
-    @property
-    def held(self) -> int:
-        return self.inputs + sum(self.hold.values())
-
-
 def resolve(model: StepModel, plan: Plan) -> Assignment:
-    """Apply targets (longest match wins), groups and the coupling rules to every unit."""
+    """Apply targets (Note: [one resolution rule]), groups and the coupling rule to every unit."""
     actions: list[Action] = []
     prefetch: list[int] = []
-    swap_in: dict[int, tuple[str, int] | None] = {}  # unit -> (target, prefetch) of a swap_input decision
     for u in model.units:
-        best = -1
-        found: list = []
-        targets: list[str] = []
-        for target, decision in plan.decisions.items():
-            if not target or u.name == target or u.name.startswith(target + "."):
-                if len(target) > best:
-                    best, found, targets = len(target), [decision], [target]
-                elif len(target) == best:
-                    found.append(decision)
-                    targets.append(target)
-        kinds = {d.action for d in found}
-        if Action.RECOMPUTE in kinds and Action.SWAP in kinds:
-            log.info("unit %s is marked both recompute and swap: recomputed", u.name)
-            action = Action.RECOMPUTE
-        else:
-            action = found[0].action if found else Action.KEEP
-        if action is Action.RECOMPUTE and model.layer_of(u.position) is None:
+        decision = plan.decide(u.name)
+        if decision.action is Action.RECOMPUTE and model.layer_of(u.position) is None:
             raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
                             f"recompute targets inside {_layer_pattern(model)}")
-        swap_decision = next((d for d in found if d.action is Action.SWAP), None)
-        swap_in[u.index] = next(((t, d.backward_prefetch) for t, d in zip(targets, found)
-                                 if d.swap_input and action is Action.RECOMPUTE), None)
-        actions.append(action)
-        prefetch.append(swap_decision.backward_prefetch if swap_decision else 1)
+        actions.append(decision.action)
+        prefetch.append(decision.backward_prefetch if decision.action is Action.SWAP else 1)
+    info = model.profile.layer_info()
+    paths = [info.layer_path(i) for i in range(info.count)] if info is not None else []
+    groups = _groups(model, plan, paths)
+    grouped = {p for a, b in groups for p in range(a, b + 1)}
+    inputs: list[tuple[int, int]] = []
+    for layer, (target, decision) in sorted(plan.swapped_inputs(paths).items()):
+        if layer + 1 in grouped:
+            raise PlanError(f"plan.decisions.{target!r}: swap_input on a layer of a checkpoint group; expected it on "
+                            "layers recomputed alone")
+        inputs.append((layer + 1, decision.backward_prefetch))
+    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
+
+
+def _groups(model: StepModel, plan: Plan, paths: list[str]) -> list[tuple[int, int]]:
+    """(first position, last position) of each checkpoint group; :class:`PlanError` for a group that is not of
+    layers recomputed as a whole in one stack."""
     groups: list[tuple[int, int]] = []
     n = model.num_layers
     for g in plan.groups:
         if g[-1] >= n:
             raise PlanError(f"plan.groups={plan.groups!r}: layer {g[-1]} out of range (model has {n} layers)")
         for layer in g:
-            if any(actions[i] is not Action.RECOMPUTE for i in model.positions[layer + 1]):
+            if plan.layer_actions(paths[layer]) != {Action.RECOMPUTE}:
                 raise PlanError(f"plan.groups: layer {layer} of group {g} must be decided recompute as a whole layer")
         if not any(a <= g[0] + 1 and g[-1] + 1 <= b for a, b in model.stack_ranges()):
             raise PlanError(f"plan.groups: group {g} spans two stacks of layers; expected the layers of one stack")
         groups.append((g[0] + 1, g[-1] + 1))
-    grouped = {p for a, b in groups for p in range(a, b + 1)}
-    inputs: list[tuple[int, int]] = []
-    for p, members in enumerate(model.positions):
-        marked = [swap_in[i] for i in members if swap_in[i] is not None]
-        if not marked:
-            continue
-        target = marked[0][0]
-        if len(marked) < len(members) or any(actions[i] is not Action.RECOMPUTE for i in members):
-            raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a whole-layer "
-                            "target (the layer's module path) decided recompute")
-        if p in grouped:
-            raise PlanError(f"plan.decisions.{target!r}: swap_input on a layer of a checkpoint group; expected it on "
-                            "layers recomputed alone")
-        inputs.append((p, marked[0][1]))
-    return couple(model, Assignment(tuple(actions), tuple(prefetch), tuple(groups), tuple(inputs)))
+    return groups
 
 
 def read_by_recompute(model: StepModel, asg: Assignment, i: int) -> bool:
@@ -211,135 +151,8 @@ def segments(model: StepModel, asg: Assignment) -> list[Segment]:
 
 def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1,
                         record: bool = False) -> Simulation:
-    """Run the event timeline of one step (see the module docstring for the release rule)."""
-    segs = segments(model, asg)
-    units = model.units
-    events: list[tuple[float, int, int]] = []  # (time, +bytes / -bytes, order)
-    intervals: list[Interval] = []
-
-    def add(time: float, delta: int) -> None:
-        if delta:
-            events.append((time, delta, len(events)))
-
-    held_total = sum(s.held for s in segs)
-    add(0.0, (in_flight - 1) * held_total)
-    t, stream = 0.0, 0.0
-    swapped = 0
-    spilled: dict[int, int] = {}  # unit -> bytes of its swap on the disk tier (beyond model.host_budget)
-    for seg in segs:
-        add(t, seg.inputs)
-        start = t
-        swaps = set(seg.swaps)
-        for i in seg.units:
-            u = units[i]
-            t += u.fwd
-            add(t, seg.hold.get(i, 0))
-            if i in swaps:
-                add(t, u.saved)
-                c0 = max(stream, t)
-                spilled[i] = model.spill(swapped, u.saved)
-                stream = c0 + model.d2h(u.saved, spilled[i])
-                add(stream, -u.saved)
-                swapped += u.saved
-                if record:
-                    intervals.append(Interval("copy", "d2h", c0, stream, u.name))
-        if seg.in_swap:  # Note: [swapped checkpoint input]: copied out once the layer's forward returned
-            p = seg.positions[0]
-            c0 = max(stream, t)
-            spilled[-p] = model.spill(swapped, seg.in_swap)
-            stream = c0 + model.d2h(seg.in_swap, spilled[-p])
-            add(stream, -seg.in_swap)
-            swapped += seg.in_swap
-            if record:
-                intervals.append(Interval("copy", "d2h", c0, stream, f"{_seg_name(model, seg)} input"))
-        if record and seg.units:
-            intervals.append(Interval("compute", "forward", start, t, _seg_name(model, seg)))
-
-    last = len(model.positions) - 1
-    issue: dict[int, list[int]] = {}
-    for seg in segs:
-        for i in seg.swaps:
-            d = asg.prefetch[i]
-            if d > 0:
-                issue.setdefault(min(units[i].position + d, last), []).append(i)
-        if seg.in_swap and seg.in_prefetch > 0:  # an input is keyed -position (unit keys are >= 0)
-            issue.setdefault(min(seg.positions[0] + seg.in_prefetch, last), []).append(-seg.positions[0])
-    land: dict[int, float] = {}
-
-    def reload(key: int, label: str) -> None:
-        nonlocal stream
-        nbytes = units[key].saved if key >= 0 else model.input_swap[-key]
-        add(t, nbytes)
-        c0 = max(stream, t)
-        stream = land[key] = c0 + model.h2d(nbytes, spilled.get(key, 0))
-        if record:
-            intervals.append(Interval("copy", "h2d", c0, stream, label))
-
-    def wait(key: int, label: str) -> None:
-        nonlocal t, stall
-        if land[key] > t:
-            if record:
-                intervals.append(Interval("compute", "stall", t, land[key], label))
-            stall += land[key] - t
-            t = land[key]
-
-    segs_at = {seg.positions[0]: seg for seg in segs}
-    stall = replay = 0.0
-    add(t, model.boundary)
-    for k, seg in enumerate(reversed(segs)):
-        due = sorted((i for p in seg.positions for i in issue.get(p, [])),
-                     key=lambda i: (i, -(1 << 62)) if i < 0 else (-units[i].position, -i))
-        for i in due:
-            reload(i, units[i].name if i >= 0 else f"{_seg_name(model, segs_at[-i])} input")
-        if seg.in_swap:
-            key = -seg.positions[0]
-            if seg.in_prefetch == 0:
-                reload(key, f"{_seg_name(model, seg)} input")
-            wait(key, f"{_seg_name(model, seg)} input")
-        temp = max(model.grad_temp[p] for p in seg.positions) if model.grad_temp else 0
-        add(t, seg.transient + temp)  # temp: a new gradient before its accumulation (resident gradients)
-        add(t, sum(model.grads[p] for p in seg.positions))
-        if seg.replay:
-            if record:
-                intervals.append(Interval("compute", "recompute", t, t + seg.replay, _seg_name(model, seg)))
-            t += seg.replay
-            replay += seg.replay
-        start = t
-        swaps = set(seg.swaps)
-        for i in reversed(seg.units):
-            u = units[i]
-            if i in swaps:
-                if asg.prefetch[i] == 0:
-                    reload(i, u.name)
-                wait(i, u.name)
-            t += u.bwd
-        if record and seg.units:
-            intervals.append(Interval("compute", "backward", start, t, _seg_name(model, seg)))
-        add(t, -(seg.held + seg.transient + temp + sum(units[i].saved for i in seg.swaps)))
-        if k == 0:
-            add(t, -model.boundary)
-
-    # In time order; at equal times in order of occurrence (a copy completion is known when issued).
-    events.sort(key=lambda e: (e[0], e[2]))
-    level, peak = 0, 0
-    memory: list[tuple[float, int]] = []
-    for time, delta, _ in events:
-        level += delta
-        peak = max(peak, level)
-        if record:
-            memory.append((time, model.base + level))
-    timeline = Timeline(intervals, memory) if record else None
-    return Simulation(peak_bytes=model.base + peak, step_time=t + model.other_time, stall_time=stall,
-                      recompute_time=replay, activation_peak=peak, swapped_bytes=swapped, timeline=timeline,
-                      spilled_bytes=sum(spilled.values()))
-
-
-def _seg_name(model: StepModel, seg: Segment) -> str:
-    names = []
-    for p in seg.positions:
-        layer = model.layer_of(p)
-        names.append(f"layer {layer}" if layer is not None else ("pre" if p == 0 else "post"))
-    return names[0] if len(names) == 1 else f"{names[0]}..{names[-1]}"
+    """Run the event timeline of one step (see the module docstring for the release rule; ``_step_run.py``)."""
+    return StepRun(model, asg, segments(model, asg), in_flight=in_flight, record=record).run()
 
 
 def _layer_pattern(model: StepModel) -> str:

@@ -17,6 +17,7 @@ from ._compiled_space import compiled_blocks, project, whole_swap
 from ._model import StepModel
 from ._plan import Action, Decision, Plan
 from ._simulator import Assignment, simulate_assignment
+from ._sizes import BudgetError, fmt_bytes
 from ._timeline import Simulation
 
 __all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "Solver", "SolverStats", "fmt_bytes",
@@ -25,7 +26,7 @@ __all__ = ["InfeasibleBudgetError", "Problem", "PredictedCost", "SolveResult", "
 log = logging.getLogger(__name__)
 
 
-class InfeasibleBudgetError(ValueError):
+class InfeasibleBudgetError(BudgetError):
     """No plan of the solver's space fits the memory budget."""
 
 
@@ -114,13 +115,6 @@ class Solver(abc.ABC):
 
 def fmt_seconds(t: float) -> str:
     return f"{t:.4f} s" if abs(t) >= 1 else f"{t * 1e3:.3f} ms" if abs(t) >= 1e-3 else f"{t * 1e6:.2f} us"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 def plan_from_assignment(model: StepModel, asg: Assignment) -> Plan:

@@ -20,8 +20,9 @@ from ._model import StepModel
 from ._registry import get_solver
 from ._scaling import profile_for_batch
 from ._simulator import simulate_assignment
-from ._solver import (InfeasibleBudgetError, PredictedCost, Problem, SolveResult, Solver, SolverStats, fmt_bytes,
-                      fmt_seconds, plan_from_assignment)
+from ._sizes import fmt_bytes
+from ._solver import (InfeasibleBudgetError, PredictedCost, Problem, SolveResult, Solver, SolverStats, fmt_seconds,
+                      plan_from_assignment)
 
 __all__ = ["BatchSizesError", "ThroughputRow", "ThroughputResult", "maximize_throughput", "parse_batch_sizes"]
 
@@ -142,7 +143,7 @@ def _most_saving(model: StepModel, budget: int) -> SolveResult | None:
 def _row(profile: Profile, batch: int, budget: int, solver: Solver, hardware: HardwareSpec | None) -> ThroughputRow:
     source = _source(profile)
     model = StepModel.build(profile, hardware=hardware)
-    shortfall = device_shortfall(model.hardware, static=model.base + sum(model.grads))
+    shortfall = device_shortfall(model.hardware, static=model.static_bytes)
     if shortfall:
         return ThroughputRow(batch, source, None, note=shortfall)
     try:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from adaptive_mem.runtime._accounting import host_allocations
+from search import BudgetError
 from ._target_search import StepRecord
 from ._wrappers import wrapper_memory
 
@@ -25,14 +26,14 @@ __all__ = ["AdaptiveBudgetError", "StepMeter", "StepProfiler", "default_budget",
 log = logging.getLogger("adaptive_mem.adaptive._loop")
 
 
-class AdaptiveBudgetError(ValueError):
+class AdaptiveBudgetError(BudgetError):
     """The memory budget is below what the step needs with every swappable activation on the host."""
 
 
 def _fmt(n: float) -> str:
-    from search._solver import fmt_bytes
+    from search import fmt_bytes
 
-    return f"{fmt_bytes(n)} ({int(n)} bytes)"
+    return fmt_bytes(n, exact=True)
 
 
 class StepMeter:

@@ -46,9 +46,9 @@ class WrapperMemory:
 
 
 def _fmt(n: int) -> str:
-    from search._solver import fmt_bytes
+    from search import fmt_bytes
 
-    return f"{fmt_bytes(n)} ({n} bytes)"
+    return fmt_bytes(n, exact=True)
 
 
 def _fsdp2_largest_block(model: nn.Module, fsdp_module: type) -> int:

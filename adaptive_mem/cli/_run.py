@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import re
 import statistics
 import sys
 import time
@@ -18,18 +17,11 @@ HELP = "train N steps of a model with a plan (or a MindFormers/Megatron config) 
 
 log = logging.getLogger(__name__)
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-          "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
 def parse_bytes(text: str, *, flag: str) -> int:
-    """``"2GiB"`` -> 2147483648; plain integers are bytes."""
-    match = _SIZE.match(text)
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS or float(match.group(1)) <= 0:
-        raise ValueError(f"{flag}={text!r}: expected a positive size such as 4000000000, 512MiB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    """``"2GiB"`` -> 2147483648; plain integers are bytes (:func:`search.parse_bytes`)."""
+    from search import parse_bytes as parse
+
+    return parse(text, key=flag, plain=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"stall time          {sim.stall_time:.6f} s")
     print(f"recompute time      {sim.recompute_time:.6f} s")
     print(f"swapped per step    {fmt_bytes(sim.swapped_bytes)}")
-    shortfall = device_shortfall(model.hardware, static=model.base + sum(model.grads), peak=sim.peak_bytes)
+    shortfall = device_shortfall(model.hardware, static=model.static_bytes, peak=sim.peak_bytes)
     if shortfall:
         log.warning("%s", shortfall)
     if args.timeline:

@@ -65,21 +65,8 @@ class Resolution:
 
 
 def decide(plan: Plan, unit: str) -> Decision:
-    """The unit's decision: longest matching target; among equal lengths recompute wins (coupling rule 1)."""
-    best: list[str] = []
-    for target in plan.decisions:
-        if matches(target, unit):
-            if not best or len(target) > len(best[0]):
-                best = [target]
-            elif len(target) == len(best[0]):
-                best.append(target)
-    if not best:
-        return Decision(Action.KEEP)
-    actions = {plan.decisions[t].action for t in best}
-    if Action.RECOMPUTE in actions and Action.SWAP in actions:
-        log.info("Unit %s is marked recompute and swap: recompute takes effect, swap does not", unit)
-        return Decision(Action.RECOMPUTE)
-    return plan.decisions[best[0]]
+    """The unit's decision: :meth:`search.Plan.decide` (Note: [one resolution rule] in ``search/_plan.py``)."""
+    return plan.decide(unit)
 
 
 def is_collective_unit(name: str) -> bool:
@@ -182,9 +169,7 @@ def _check_recompute_targets(plan: Plan, layers: LayerInfo | None, paths: list[s
 
 def _layer_mode(plan: Plan, path: str) -> LayerMode:
     """The mode of the layer at ``path``: from the decision covering it and the targets inside it."""
-    cover = decide(plan, path).action
-    inner_targets = [t for t in plan.decisions if t.startswith(path + ".")]
-    actions = {cover} | {plan.decisions[t].action for t in inner_targets}
+    actions = plan.layer_actions(path)
     if Action.RECOMPUTE not in actions:
         return LayerMode.SWAP if Action.SWAP in actions else LayerMode.PLAIN
     if actions == {Action.RECOMPUTE}:
@@ -220,21 +205,14 @@ def _input_swaps(plan: Plan, paths: list[str], modes: list[LayerMode], groups: l
     """Layer index -> ``backward_prefetch`` of each whole-layer recompute whose checkpoint input is swapped."""
     input_swaps: dict[int, int] = {}
     grouped = {i for g in groups for i in g}
-    for target, decision in plan.decisions.items():
-        if not decision.swap_input:
-            continue
-        covered = [i for i, p in enumerate(paths) if matches(target, p) and decide(plan, p) == decision]
-        if not covered or any(modes[i] is not LayerMode.WHOLE for i in covered):
-            raise PlanError(f"plan.decisions.{target!r}: swap_input covers part of a layer; expected a whole-layer "
-                            "target (the layer's module path) decided recompute")
-        for i in covered:
-            if i in grouped:
-                raise PlanError(f"plan.decisions.{target!r}: swap_input on layer {i} of a checkpoint group; expected "
-                                "it on layers recomputed alone")
-            if plan.distribute_saved_activations:
-                raise PlanError(f"plan.decisions.{target!r}: swap_input with distribute_saved_activations=true; "
-                                "expected one of the two for a layer input")
-            input_swaps[i] = decision.backward_prefetch
+    for i, (target, decision) in plan.swapped_inputs(paths).items():
+        if i in grouped:
+            raise PlanError(f"plan.decisions.{target!r}: swap_input on layer {i} of a checkpoint group; expected "
+                            "it on layers recomputed alone")
+        if plan.distribute_saved_activations:
+            raise PlanError(f"plan.decisions.{target!r}: swap_input with distribute_saved_activations=true; "
+                            "expected one of the two for a layer input")
+        input_swaps[i] = decision.backward_prefetch
     return input_swaps
 
 

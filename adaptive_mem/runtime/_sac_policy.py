@@ -31,32 +31,14 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
+from profiler import OpCounter, UnitNamer
 from profiler._fake_ops import install_fake_fallbacks
-from profiler._units import UnitNamer
 
 from ._swap_engine import no_cycle
 
 __all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
 
 log = logging.getLogger(__name__)
-
-class OpCounter:
-    """``(unit, ordinal)`` of each op of one layer call; reset at the start of every call."""
-
-    def __init__(self, namer: UnitNamer) -> None:
-        self.namer = namer
-        self.counts: dict[str, int] = {}
-
-    def reset(self) -> None:
-        self.counts = {}
-
-    def key(self, func: Any, args: tuple = ()) -> tuple[str, int] | None:
-        unit = self.namer.name(func, args)
-        if unit is None:
-            return None
-        n = self.counts.get(unit, 0)
-        self.counts[unit] = n + 1
-        return unit, n
 
 
 @dataclass
@@ -87,7 +69,7 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = self.counter.key(func, args)
+        key = self.counter.op_key(func, args)
         out = func(*args, **kwargs)
         if key is None:
             return out
@@ -242,7 +224,7 @@ class SacPolicy:
         self.on_swap_output = on_swap_output
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        key = self.counter.key(func, args)
+        key = self.counter.op_key(func, args)
         if key is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
         action = self.action(key[0])
