@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from profiler._fake_ops import install_fake_fallbacks
+from profiler.tracing import install_fake_fallbacks
 
 from .models._errors import ModelSpecError
 from .models._hf import HF_FAMILIES, HF_HEADS, build_hf as _build_hf, hf_unpacked_sequences as _hf_unpacked_sequences

@@ -8,8 +8,8 @@ from typing import Any
 
 from torch import nn
 
-from profiler._structure import ModelStructure
-from search._plan import Plan
+from profiler.naming import ModelStructure
+from search import Plan
 
 from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan
 from adaptive_mem.runtime._compile_blocks import check_blocks, compile_blocks, compile_options

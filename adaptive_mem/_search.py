@@ -11,18 +11,16 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Callable, Mapping
 
 from profiler import HardwareSpec, Layout, Profile, hardware_spec
-from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, Stage, StepModel,
-                    check_feasible, fmt_bytes, get_solver, in_flight, merge_plans, minimum_budget, pipeline_step_time,
-                    simulate_assignment, split_layout)
-from search._budget import DeviceMemoryError, activation_peak, device_capacity, device_shortfall, keep_all
-from search._collectives import data_parallel_comm
+from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, StepModel, fmt_bytes, get_solver, merge_plans, minimum_budget)
+from search.planning import Stage, check_feasible, in_flight, pipeline_step_time, simulate_assignment, split_layout
+from search import DeviceMemoryError
+from search.planning import activation_peak, device_capacity, device_shortfall, keep_all
+from search.planning import data_parallel_comm
 
-from adaptive_mem.cli._layout_args import merge_layout
-from adaptive_mem.cli._profile import positive_int
+from adaptive_mem.config._layout import merge_layout, positive_int
 
 __all__ = ["SearchResult", "StageResult", "check_arguments", "chunk_budgets", "rank_figures", "search"]
 
@@ -288,10 +286,10 @@ def search(profile: Profile | str | Path, *, budget: int | str | None = None,
     spec = check_arguments(solver=solver, solver_options=options, pipeline_stages=pipeline_stages,
                            micro_batches=micro_batches, budget=budget, activation_budget=activation_budget)
     profile, hw = _load(profile, hardware)
-    flags = SimpleNamespace(pipeline_stages=pipeline_stages, micro_batches=micro_batches, zero=zero,
-                            tensor_parallel=tensor_parallel, virtual_pipeline_stages=virtual_pipeline_stages,
-                            data_parallel=data_parallel, sequence_parallel=sequence_parallel, schedule=schedule)
-    lay = merge_layout(profile.model.get("layout"), flags)
+    given = dict(pipeline_stages=pipeline_stages, micro_batches=micro_batches, zero=zero,
+                 tensor_parallel=tensor_parallel, virtual_pipeline_stages=virtual_pipeline_stages,
+                 data_parallel=data_parallel, sequence_parallel=sequence_parallel, schedule=schedule)
+    lay = merge_layout(profile.model.get("layout"), given)
     stages = _stages(profile, lay, hw)
     results: list[StageResult] = []
     for st, stage_budget in zip(stages, chunk_budgets(stages, spec.budget, lay)):

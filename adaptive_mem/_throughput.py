@@ -17,10 +17,11 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from profiler import HardwareSpec, Profile, hardware_spec
-from search import (Budget, Plan, ScalingCheck, ThroughputResult, fmt_bytes, get_solver, parse_batch_sizes,
-                    scaling_error)
+from search import Budget, Plan, ScalingCheck, ThroughputResult, fmt_bytes, get_solver, scaling_error
+from search.planning import parse_batch_sizes
 from search import maximize_throughput as _maximize
-from search._budget import DeviceMemoryError, device_capacity
+from search import DeviceMemoryError
+from search.planning import device_capacity
 
 __all__ = ["ThroughputSearchResult", "check_model_args", "maximize_throughput"]
 

@@ -6,7 +6,7 @@ measured one.
 
 1. Profile the model on one process (``profiler.profile_step``, Adam): the whole model for DDP (each rank runs
    it on its own batch), one micro-batch for the pipeline, cut into 2 stages with 1F1B's in-flight micro-batches
-   (``search.split_layout``).
+   (``search.planning.split_layout``).
 2. Run full recompute on 2 spawned gloo ranks: each rank's peak device memory (``DeviceMemory``, the counting
    CPU allocator, parameters, gradients and Adam state included) and median step time.
 3. Search our plan per rank (DDP) / per stage (pipeline) with the budget = full recompute's measured peak of
@@ -187,7 +187,8 @@ def main() -> None:
 
     import profiler
     from profiler import Layout
-    from search import Action, Budget, Decision, Plan, StepModel, get_solver, simulate, split_layout
+    from search import Action, Budget, Decision, Plan, StepModel, get_solver, simulate
+    from search.planning import split_layout
 
     t0 = time.perf_counter()
     torch.set_num_threads(args.threads)

@@ -23,8 +23,9 @@ import profiler
 from adaptive_mem._model_spec import build_model
 from adaptive_mem._search import chunk_budgets
 from profiler import Layout
-from search import (Action, Budget, Decision, Plan, chunk_layers, fmt_bytes, get_solver, parse_bytes,
-                    pipeline_step_time, simulate, split_layout)
+from search import Action, Budget, Decision, Plan, fmt_bytes, get_solver, parse_bytes, simulate
+from search.planning import chunk_layers, pipeline_step_time, split_layout
+from profiler.tracing import parameter_split
 
 MODEL_ARGS = dict(num_layers=8, hidden_size=12288, intermediate_size=32768, num_heads=96, num_kv_heads=96,
                   vocab_size=50257, max_seq_len=8192)
@@ -43,7 +44,7 @@ def rank_profile(layout: Layout, batch: int) -> profiler.Profile:
     bundle = build_model("llama2-7b", model_args=MODEL_ARGS, batch_size=batch, seq_len=8192, dtype="bfloat16",
                          device="meta")
     whole = profiler.profile_step(bundle, hardware="ascend-910b", optimizer="adam")
-    split = profiler.parameter_split(bundle.model, whole.layer_info(), tensor_parallel=layout.tensor_parallel)
+    split = parameter_split(bundle.model, whole.layer_info(), tensor_parallel=layout.tensor_parallel)
     link = profiler.HARDWARE["ascend-910b"].interconnect_bandwidth
     return profiler.shard_profile(whole, layout=layout, split=split, interconnect=link)
 

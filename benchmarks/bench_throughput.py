@@ -35,8 +35,8 @@ from pathlib import Path
 
 from adaptive_mem.cli._main import main as cli
 from profiler import Profile
-from search import (InfeasibleBudgetError, Problem, StepModel, fmt_bytes, get_solver, maximize_throughput,
-                    parse_batch_sizes, profile_for_batch, scaling_error)
+from search import (InfeasibleBudgetError, Problem, StepModel, fmt_bytes, get_solver, maximize_throughput, profile_for_batch, scaling_error)
+from search.planning import parse_batch_sizes
 
 GB = 10**9
 

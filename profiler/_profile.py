@@ -181,7 +181,7 @@ class Profile:
     Note: [compiled profile]); None (and not written) for an eager profile."""
 
     def layer_info(self) -> LayerInfo | None:
-        """The stacks of blocks as :class:`profiler.LayerInfo` (None without blocks)."""
+        """The stacks of blocks as :class:`profiler.naming.LayerInfo` (None without blocks)."""
         if self.layer_stacks:
             return LayerInfo.of([(s["container"], s["count"]) for s in self.layer_stacks])
         if self.layer_container is None or self.num_layers == 0:

@@ -57,7 +57,7 @@ from ._regions import Regions
 __all__ = ["COLLECTIVE_LABELS", "LayerInfo", "UnitNamer", "collective_label", "find_layers", "op_label", "is_view_op",
            "function_scope", "in_machinery", "machinery_scope"]
 
-_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addbmm", "_addmm_activation"}
 _LEAF_LABELS: dict[str, str] = {
     "linear": "matmul", "conv1d": "matmul", "conv2d": "matmul", "nonDynamicallyQuantizableLinear": "matmul",
     "embedding": "embedding", "dropout": "dropout",
@@ -79,7 +79,7 @@ def is_view_op(func: torch._ops.OpOverload) -> bool:
 def op_label(func: torch._ops.OpOverload) -> str:
     """Short label of an aten op: ``mm`` -> ``matmul``, SDPA kernels -> ``flash_attention``."""
     name = func.overloadpacket.__name__.strip("_")
-    if name in _MATMUL_OPS:
+    if name in MATMUL_OPS:
         return "matmul"
     if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
         return "flash_attention"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from profiler._profile import HardwareSpec
+from profiler import HardwareSpec
 
 from ._model import StepModel
 from ._plan import Action
@@ -125,7 +125,7 @@ def device_shortfall(hardware: HardwareSpec, *, static: int, peak: int | None = 
             f"on top do not; search with --budget {cap >> 20}MiB or less")
 
 
-def _min_candidates(model: StepModel) -> list[Assignment]:
+def min_candidates(model: StepModel) -> list[Assignment]:
     n = len(model.units)
     full = Assignment(tuple(Action.RECOMPUTE if model.layer_of(u.position) is not None else Action.KEEP
                             for u in model.units), tuple([1] * n))
@@ -138,7 +138,7 @@ def _min_candidates(model: StepModel) -> list[Assignment]:
 def minimum_budget(model: StepModel, *, in_flight: int = 1) -> tuple[int, str]:
     """Smallest peak of the most memory-saving plans, and what dominates it (one line)."""
     best = None
-    for asg in _min_candidates(model):
+    for asg in min_candidates(model):
         sim = simulate_assignment(model, asg, in_flight=in_flight)
         if best is None or sim.peak_bytes < best[0]:
             best = (sim.peak_bytes, asg)

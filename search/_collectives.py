@@ -3,7 +3,7 @@ how much of it compute does not hide.
 
 Tensor-parallel collectives are units of the profile (``profiler._shard``): they sit on the critical
 path, as Megatron runs them. The collectives here run on their own stream beside compute
-(Note: [comm overlap]), ring times from ``profiler.collective_time``, the DP ranks on one interconnect:
+(Note: [comm overlap]), ring times from ``profiler.tracing.collective_time``, the DP ranks on one interconnect:
 
 * gradients, once per step (the last micro-batch's backward): all-reduce (ZeRO 0/1) or
   reduce-scatter (ZeRO 2/3), in per-layer buckets issued as backward finishes each layer, so they
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profiler._layout import Layout
-from profiler._shard import collective_time
+from profiler import Layout
+from profiler.tracing import collective_time
 
 from ._comm_stream import schedule_collectives
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from profiler import Profile
-from profiler._fingerprint import split_fingerprint
+from profiler.naming import split_fingerprint
 
 from ._plan import Plan, PlanError
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from profiler._profile import HardwareSpec, Profile, ProfileError
-from profiler._units import _MATMUL_OPS
+from profiler import HardwareSpec, Profile, ProfileError
+from profiler.naming import MATMUL_OPS
 
 __all__ = ["StepModel", "UnitInfo"]
 
@@ -22,7 +22,7 @@ def aten_label(op: str) -> str:
     """``aten.mm.default`` -> ``matmul``; SDPA kernels -> ``flash_attention``; else the packet name."""
     parts = op.split(".")
     name = (parts[1] if len(parts) >= 2 and parts[0] == "aten" else parts[0]).strip("_")
-    if name in _MATMUL_OPS:
+    if name in MATMUL_OPS:
         return "matmul"
     if "scaled_dot_product" in name and "attention" in name and "backward" not in name:
         return "flash_attention"

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from profiler._layout import Layout
-from profiler._profile import HardwareSpec, Profile
+from profiler import Layout
+from profiler import HardwareSpec, Profile
 
 from ._model import StepModel
 from ._plan import Plan, PlanError

@@ -17,7 +17,7 @@ from typing import Any, Iterable
 
 import yaml
 
-from profiler._paths import COMPILE_CHILD, module_path
+from profiler.naming import COMPILE_CHILD, module_path
 
 from ._yaml import load_document
 

@@ -25,10 +25,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from profiler._profile import Profile
+from profiler import Profile
 
-__all__ = ["scale_profile", "profile_for_batch", "scaling_error", "ScalingCheck", "SCALING_TOLERANCE", "align_profiles",
-           "keep_all_step_time", "retime_profile"]
+__all__ = ["scale_profile", "profile_for_batch", "scaling_error", "ScalingCheck", "SCALING_TOLERANCE",
+           "keep_all_step_time"]
 
 SCALING_TOLERANCE = 0.1
 """Relative error of the keep-all peak activations and step time above which the scaling check warns."""
@@ -125,18 +125,6 @@ def profile_for_batch(profiles: Mapping[int, Profile], batch_size: int) -> Profi
     return scale_profile(tuple(profiles[b] for b in pair), batch_size)
 
 
-def retime_profile(profile: Profile, factor: float) -> Profile:
-    """``profile`` with every compute time (ops, units, the step, the time outside the ops, the optimizer step)
-    ``factor`` times longer; bytes and the hardware's link figures unchanged."""
-    if not (isinstance(factor, (int, float)) and not isinstance(factor, bool) and 0 < factor < float("inf")):
-        raise ValueError(f"factor={factor!r}: expected a positive finite number")
-    return replace(profile, ops=[replace(o, fwd_time=o.fwd_time * factor, bwd_time=o.bwd_time * factor)
-                                 for o in profile.ops],
-                   units=[replace(u, fwd_time=u.fwd_time * factor, bwd_time=u.bwd_time * factor) for u in profile.units],
-                   step_time=profile.step_time * factor, unattributed_time=profile.unattributed_time * factor,
-                   optimizer_time=profile.optimizer_time * factor)
-
-
 def keep_all_step_time(profile: Profile) -> float:
     """The simulated step time of ``profile`` with nothing recomputed or swapped."""
     from ._budget import keep_all
@@ -147,38 +135,13 @@ def keep_all_step_time(profile: Profile) -> float:
     return simulate_assignment(model, keep_all(model)).step_time
 
 
-def align_profiles(profiles: Mapping[int, Profile], step_ratios: Mapping[int, float], *,
-                   reference: int) -> dict[int, Profile]:
-    """``profiles`` with each one's times scaled so that its keep-all step time relative to the ``reference``
-    profile's is ``step_ratios[batch]`` (a plain step at that batch over one at ``reference``, measured); sizes
-    without a ratio, and the reference, unchanged.
-
-    Note: [aligned profiles] profiles of different batch sizes are measured one after another, and the load on a
-    shared machine changes between them: their relative step times carry a few per cent of noise, more than the
-    true differences in tokens/s among neighbouring batch sizes. Plain steps of every profiled size timed in one
-    process, a step of each per round, measure those relative times far more closely (Note: [paired rounds]);
-    a profile's own times keep their proportions (what recomputing one op costs against another)."""
-    if reference not in profiles:
-        raise ValueError(f"reference={reference!r}: expected one of the profiled batch sizes "
-                         f"{', '.join(map(str, sorted(profiles)))}")
-    for batch, ratio in step_ratios.items():
-        if batch not in profiles:
-            raise ValueError(f"step_ratios[{batch!r}]: no profile at batch {batch!r}; expected one of "
-                             f"{', '.join(map(str, sorted(profiles)))}")
-        if not (isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < float("inf")):
-            raise ValueError(f"step_ratios[{batch}]={ratio!r}: expected a positive finite step time ratio")
-    base = keep_all_step_time(profiles[reference])
-    return {b: p if b == reference or b not in step_ratios
-            else retime_profile(p, step_ratios[b] * base / keep_all_step_time(p)) for b, p in profiles.items()}
-
-
 @dataclass(frozen=True)
 class ScalingCheck:
     """A measured profile against the one scaled to its batch size from two others."""
     batch_size: int
     scaled_from: tuple[int, ...]
     activation_error: float
-    """Relative error of the keep-all step's activation peak (``search.activation_peak``)."""
+    """Relative error of the keep-all step's activation peak (``search.planning.activation_peak``)."""
     time_error: float
     """Relative error of the keep-all step's simulated time."""
 

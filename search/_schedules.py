@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from profiler._layout import Layout
+from profiler import Layout
 
 __all__ = ["SCHEDULE_COUNTS", "RuntimeBuffers", "in_flight", "in_flight_1f1b", "in_flight_gpipe",
            "in_flight_interleaved", "chunk_layers", "pipeline_step_time", "runtime_buffers"]

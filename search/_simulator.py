@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from profiler._profile import HardwareSpec, Profile
+from profiler import HardwareSpec, Profile
 
 from ._assignment import Assignment, Segment
 from ._model import StepModel

@@ -13,9 +13,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from profiler._profile import HardwareSpec, Profile
+from profiler import HardwareSpec, Profile
 
-from ._budget import Budget, BudgetError, _min_candidates, device_shortfall, minimum_budget
+from ._budget import Budget, BudgetError, min_candidates, device_shortfall, minimum_budget
 from ._model import StepModel
 from ._registry import get_solver
 from ._scaling import profile_for_batch
@@ -130,7 +130,7 @@ def _source(profile: Profile) -> str:
 def _most_saving(model: StepModel, budget: int) -> SolveResult | None:
     """The fastest of the most memory-saving plans (full recompute, swap all, both) that fits, as the adaptive
     loop falls back to: a solver's space (the MILP's heuristic menus) may miss them."""
-    fits = [(sim, asg) for asg in _min_candidates(model)
+    fits = [(sim, asg) for asg in min_candidates(model)
             for sim in [simulate_assignment(model, asg)] if sim.peak_bytes <= budget]
     if not fits:
         return None

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch
 
-from profiler._paths import module_path
+from profiler.naming import module_path
 
 __all__ = ["compiled_step"]
 

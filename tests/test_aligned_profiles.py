@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from search import align_profiles, keep_all_step_time, maximize_throughput, retime_profile
+from adaptive_mem.bench._align import align_profiles, retime_profile
+from search import maximize_throughput
+from search.planning import keep_all_step_time
 
 from test_throughput import _Worker, tiny_profiles  # noqa: F401 - the fixture is used by name
 

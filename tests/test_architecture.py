@@ -1,5 +1,5 @@
-"""The layout stays true: no import cycle between modules of the three packages, short files,
-few modules flat in ``adaptive_mem/`` (docs/architecture.md states these rules)."""
+"""The layout stays true: no import cycle between modules of the three packages, no private import across them,
+short files and functions, few modules flat in ``adaptive_mem/`` (docs/architecture.md states these rules)."""
 
 from __future__ import annotations
 
@@ -129,3 +129,57 @@ def test_architecture_doc_names_every_folder():
     assert missing == []
     for pkg in ("profiler/", "search/"):
         assert pkg in doc
+
+
+def long_functions(root: Path = ROOT, limit: int = 60) -> dict[str, int]:
+    """``path:line name`` -> length of every function (def line to last line) longer than ``limit`` lines."""
+    out = {}
+    for pkg in PACKAGES:
+        for path in sorted((root / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > limit:
+                        out[f"{path.relative_to(root)}:{node.lineno} {node.name}"] = length
+    return out
+
+
+def private_imports(root: Path = ROOT) -> list[str]:
+    """Imports of another package's private module or private name (``search._plan``, ``_MATMUL_OPS``):
+    across packages only what a package makes public is used."""
+    found = []
+    for name, path in _modules(root).items():
+        home = name.split(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                pairs = [(node.module, a.name) for a in node.names]
+            elif isinstance(node, ast.Import):
+                pairs = [(a.name, "") for a in node.names]
+            else:
+                continue
+            for module, imported in pairs:
+                parts = module.split(".")
+                if parts[0] in PACKAGES and parts[0] != home and (
+                        any(p.startswith("_") for p in parts[1:]) or imported.startswith("_")):
+                    found.append(f"{path.relative_to(root)}:{node.lineno} {module} {imported}".strip())
+    return found
+
+
+def test_no_function_over_60_lines():
+    assert long_functions() == {}
+
+
+def test_no_private_import_across_packages():
+    assert private_imports() == []
+
+
+def test_function_and_import_checks_can_fail(tmp_path):
+    for pkg in PACKAGES:
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "search" / "_a.py").write_text("def f():\n" + "    x = 1\n" * 60)
+    (tmp_path / "adaptive_mem" / "_b.py").write_text(
+        "from search._a import f\nfrom search import _hidden\nimport profiler._c\nfrom adaptive_mem._d import g\n")
+    assert long_functions(tmp_path) == {"search/_a.py:1 f": 61}
+    assert private_imports(tmp_path) == ["adaptive_mem/_b.py:1 search._a f", "adaptive_mem/_b.py:2 search _hidden",
+                                         "adaptive_mem/_b.py:3 profiler._c"]

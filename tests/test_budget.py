@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from search import Budget, BudgetError, InfeasibleBudgetError, StepModel, SyntheticUnit, synthetic_profile
-from search import check_feasible, minimum_budget, parse_bytes
+from search import Budget, BudgetError, InfeasibleBudgetError, StepModel
+from _profiles import SyntheticUnit, synthetic_profile
+from search import minimum_budget, parse_bytes
+from search.planning import check_feasible
 
 MiB = 1 << 20
 

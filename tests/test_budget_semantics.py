@@ -15,8 +15,10 @@ import pytest
 
 import profiler._hardware
 from adaptive_mem.cli._main import main
-from search import Budget, Plan, StepModel, SyntheticUnit, get_solver, resolve, simulate_assignment, synthetic_profile
-from search._budget import activation_peak, keep_all
+from search import Budget, Plan, StepModel, get_solver
+from search.planning import resolve, simulate_assignment
+from _profiles import SyntheticUnit, synthetic_profile
+from search.planning import activation_peak, keep_all
 
 MiB = 1 << 20
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from profiler import Layout
-from search._collectives import data_parallel_comm
+from search.planning import data_parallel_comm
 from search._comm_stream import add_gradient_reduce, schedule_collectives
-from search._timeline import Interval, Timeline
+from search.planning import Interval, Timeline
 
 
 def _spans(schedule) -> list[tuple[str, float, float]]:
@@ -60,7 +60,7 @@ def test_pipeline_stage_gradients_are_resident_over_several_micro_batches():
     # Note: [accumulated gradients]: gradients from the first micro-batch's backward stay for the others
     from adaptive_mem import build_model
     from profiler import profile_step
-    from search import split_layout
+    from search.planning import split_layout
 
     prof = profile_step(build_model("llama-tiny", seed=0, model_args={"num_layers": 2}), warmup=0, repeat=0, record=1)
     one = split_layout(prof, layout=Layout(pipeline_stages=2, micro_batches=1))

@@ -22,7 +22,9 @@ from adaptive_mem import build_model, optimize
 from adaptive_mem.bench import get_policy
 from adaptive_mem.bench._compiled_match import whole_model_offset, whole_model_prediction
 from adaptive_mem.bench._policy_compiled import compile_layout
-from search import Plan, PlanError, StepModel, random_profile, resolve, simulate_assignment
+from search import Plan, PlanError, StepModel
+from search.planning import resolve, simulate_assignment
+from _profiles import random_profile
 
 from _compile_common import compiled_step
 

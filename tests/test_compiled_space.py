@@ -18,12 +18,14 @@ from torch._dynamo.utils import counters
 
 import profiler
 from adaptive_mem import build_model, optimize
-from search import Action, Problem, get_solver, resolve, simulate, solver_names
+from search import Action, Problem, get_solver, simulate, solver_names
+from search.planning import resolve
 from search._compiled_space import compiled_blocks, honoured, project, whole_swap
-from search._model import StepModel
-from search._simulator import Assignment, couple, simulate_assignment
-from search._solver import InfeasibleBudgetError
-from search._synthetic import random_profile
+from search import StepModel
+from search._simulator import couple
+from search.planning import Assignment, simulate_assignment
+from search import InfeasibleBudgetError
+from _profiles import random_profile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -134,7 +136,7 @@ def test_whole_layer_swap_round_trips_when_coupling_drops_the_layer_output():
         acts[i] = R
     asg = couple(model, Assignment(tuple(acts), tuple([1] * n)))
     assert any(asg.actions[i] is K for i in model.positions[1])  # the layer output's swap dropped
-    from search import plan_from_assignment
+    from search.planning import plan_from_assignment
 
     plan = plan_from_assignment(model, asg)
     assert plan.decisions[model.profile.layer_path(0)].action is S

@@ -7,7 +7,7 @@ import yaml
 
 import _config_seeds as seeds
 from adaptive_mem import ConfigError, plan_from_config, plan_to_mindformers
-from search._plan import Plan
+from search import Plan
 
 SEED_CONFIGS = {
     "swap1": (seeds.SWAP_CASE_1, 4), "swap2": (seeds.SWAP_CASE_2, 4), "swap3": (seeds.SWAP_CASE_3, 4),

@@ -8,7 +8,7 @@ import pytest
 
 from adaptive_mem import ConfigError, plan_from_config
 from adaptive_mem.config._layers import StageLayout
-from search._plan import Action, Decision
+from search import Action, Decision
 
 R, S, K = Action.RECOMPUTE, Action.SWAP, Action.KEEP
 DEFAULT_OPS = ("feed_forward.mul", "feed_forward.w1.activation.silu")

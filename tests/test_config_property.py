@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from adaptive_mem import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
 from adaptive_mem.config._names import layer_names
-from search._plan import Plan
+from search import Plan
 
 NAMES = ["feed_forward", r"feed_forward\.mul", r"feed_forward\.w1\.activation\.silu", "attention",
          r".*\.norm", r"attention\.flash_attention", "nothing", "(", r"feed_forward\.w[13]\.matmul"]

@@ -15,7 +15,7 @@ import yaml
 import _config_seeds as seeds
 from adaptive_mem import plan_from_config
 from adaptive_mem.models import LlamaConfig, LlamaModel
-from search._plan import Action, Decision
+from search import Action, Decision
 
 LOGGER = "adaptive_mem.config"
 

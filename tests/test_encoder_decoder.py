@@ -21,9 +21,10 @@ import adaptive_mem  # noqa: E402
 import profiler  # noqa: E402
 from adaptive_mem._model_spec import ModelBundle  # noqa: E402
 from adaptive_mem.config import plan_from_config  # noqa: E402
-from profiler import LayerInfo, Profile, ProfileError, find_layers  # noqa: E402
+from profiler import Profile, ProfileError
+from profiler.naming import LayerInfo, find_layers
 from search import Budget, Plan, PlanError, StepModel, get_solver, simulate  # noqa: E402
-from search._budget import activation_peak, keep_all  # noqa: E402
+from search.planning import activation_peak, keep_all
 
 BATCH, SEQ = 4, 32
 

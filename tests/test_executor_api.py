@@ -11,7 +11,7 @@ from torch import nn
 from adaptive_mem import build_model, optimize
 from adaptive_mem.models import PRESETS, LlamaModel
 from adaptive_mem.models._llama import LlamaDecoderLayer
-from profiler import model_fingerprint
+from profiler.naming import model_fingerprint
 from search import Plan, PlanError
 
 

@@ -18,10 +18,10 @@ import profiler  # noqa: E402
 from adaptive_mem import ConfigError, build_model, optimize, plan_from_config  # noqa: E402
 from adaptive_mem.adaptive._calibrate import _plans  # noqa: E402
 from adaptive_mem.cli._main import main  # noqa: E402
-from profiler import find_layers  # noqa: E402
-from profiler._kinds import layer_kinds  # noqa: E402
+from profiler.naming import find_layers
+from profiler.naming import layer_kinds
 from search import Plan, PlanError  # noqa: E402
-from search._plan import Action  # noqa: E402
+from search import Action
 
 OTHER = {"qwen3_next": "linear_attn", "lfm2": "conv"}
 """The module of layers 0 and 2 (layer 1 has ``self_attn``), in the tiny configs of ``HF_FAMILIES``."""

@@ -18,9 +18,10 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 
 from adaptive_mem import DeviceMemory, build_model, optimize
-from profiler import find_layers, profile_step
+from profiler import profile_step
+from profiler.naming import find_layers
 from search import Plan, PlanError, StepModel, simulate
-from search._simulator import resolve, segments
+from search.planning import resolve, segments
 
 from _compile_common import compiled_step
 

@@ -10,9 +10,11 @@ import yaml
 import profiler
 from adaptive_mem._model_spec import build_model
 from adaptive_mem.cli._main import main
-from profiler import Layout, LayoutError, ParameterSplit, StaticMemory, rank_static, shard_profile, tp_roles
-from search import chunk_layers, in_flight, pipeline_step_time
-from search._collectives import data_parallel_comm
+from profiler import Layout, LayoutError, StaticMemory, shard_profile
+from profiler.tracing import ParameterSplit, rank_static, tp_roles
+from search.planning import chunk_layers, in_flight, pipeline_step_time
+from search.planning import data_parallel_comm
+from profiler.tracing import parameter_split
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -102,14 +104,14 @@ def tiny():
 
 
 def _shard(bundle, whole, layout):
-    split = profiler.parameter_split(bundle.model, whole.layer_info(), tensor_parallel=layout.tensor_parallel)
+    split = parameter_split(bundle.model, whole.layer_info(), tensor_parallel=layout.tensor_parallel)
     return shard_profile(whole, layout=layout, split=split, interconnect=450e9), split
 
 
 def test_tp_and_sp_shard_activations(tiny):
     """Note: [TP roles] column/row linears by their inputs; split units / TP, the rest / TP under SP only."""
     bundle, whole = tiny
-    roles = tp_roles(whole, profiler.parameter_split(bundle.model, whole.layer_info(), tensor_parallel=2).linears)
+    roles = tp_roles(whole, parameter_split(bundle.model, whole.layer_info(), tensor_parallel=2).linears)
     assert roles["layers.0.attention.wq.matmul"] == "column" and roles["layers.0.attention.wo.matmul"] == "row"
     assert roles["layers.0.feed_forward.mul"] == "sharded" and roles["layers.0.add"] == "replicated"
     tp, split = _shard(bundle, whole, Layout(tensor_parallel=2))

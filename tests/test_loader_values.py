@@ -12,7 +12,7 @@ import profiler
 from adaptive_mem import build_model
 from adaptive_mem.cli._main import main
 from profiler import Profile, ProfileError
-from search._plan import Plan, PlanError
+from search import Plan, PlanError
 
 BAD = [-1, -0.5, float("nan"), float("inf"), float("-inf")]
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from adaptive_mem import add_arguments, plan_from_config, plan_to_megatron
-from search._plan import Action, Decision, Plan
+from search import Action, Decision, Plan
 
 R = Action.RECOMPUTE
 

@@ -10,15 +10,15 @@ import random
 
 import pytest
 
-from search._budget import Budget
+from search import Budget
 from search._counts import identical_layers, solve_counts
 from search._menu import layer_menu
-from search._model import StepModel
-from search._plan import Action
-from search._simulator import Assignment, simulate_assignment
-from search._registry import get_solver
-from search._solver import Problem
-from search._synthetic import random_profile
+from search import StepModel
+from search import Action
+from search.planning import Assignment, simulate_assignment
+from search import get_solver
+from search import Problem
+from _profiles import random_profile
 
 
 def _random_plan(model, menus, rng):

@@ -9,12 +9,13 @@ from typing import Callable
 
 import pytest
 
-from search._model import StepModel
-from search._plan import Action
-from search._simulator import Assignment, couple, simulate_assignment
-from search._registry import get_solver
-from search._solver import InfeasibleBudgetError, Problem
-from search._synthetic import random_profile
+from search import StepModel
+from search import Action
+from search._simulator import couple
+from search.planning import Assignment, simulate_assignment
+from search import get_solver
+from search import InfeasibleBudgetError, Problem
+from _profiles import random_profile
 
 PREFETCH = (0, 1, 2)
 N_INSTANCES = 200

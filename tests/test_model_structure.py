@@ -1,4 +1,4 @@
-"""profiler.ModelStructure: the model's structure is discovered once where a plan meets it and handed down."""
+"""profiler.naming.ModelStructure: the model's structure is discovered once where a plan meets it and handed down."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import profiler._structure
 import profiler._units
 from adaptive_mem import optimize
 from adaptive_mem.models import PRESETS, LlamaModel
-from profiler import ModelStructure, find_layers, structure_fingerprint
+from profiler.naming import ModelStructure, find_layers, structure_fingerprint
 from search import Plan
 
 

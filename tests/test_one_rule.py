@@ -20,7 +20,9 @@ import profiler
 from adaptive_mem import build_model
 from adaptive_mem.runtime._resolve import decide, resolve_plan
 from search import Action, Plan, PlanError, StepModel
-from search._simulator import read_by_recompute, resolve
+from search._simulator import read_by_recompute
+from search.planning import resolve
+from profiler.naming import find_layers
 
 MODELS = ("llama-tiny", "hf:qwen2")
 
@@ -29,7 +31,7 @@ MODELS = ("llama-tiny", "hf:qwen2")
 def _model(spec: str):
     bundle = build_model(spec, batch_size=1, device="meta")
     step = StepModel.build(profiler.profile_step(bundle, hardware="h100"))
-    layers = profiler.find_layers(bundle.model)
+    layers = find_layers(bundle.model)
     units = [u.name for u in step.units]
     modules = sorted({n.rsplit(".", k)[0] for n in units for k in range(1, n.count(".") + 1)})
     layer_paths = [layers.layer_path(i) for i in range(layers.count)]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from profiler import Layout
-from search import StepModel, split_layout
+from search import StepModel
+from search.planning import split_layout
 from search._schedules import RuntimeBuffers as B
 from search._schedules import runtime_buffers
 

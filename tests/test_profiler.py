@@ -10,6 +10,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 import profiler
 from adaptive_mem import build_model
+from profiler.naming import OpKey
+from profiler.tracing import saved_outputs, static_memory
 
 REQUIRED_UNITS = [  # the unit names of the MindFormers seeds, on layer 0
     "layers.0.feed_forward.w1.matmul",
@@ -252,12 +254,12 @@ def test_peak_memory_agrees_with_memtracker():
 def test_optimizer_state_sizes():
     model = build_model("llama-tiny").model
     params = sum(p.numel() for p in model.parameters())
-    assert profiler.static_memory(model, optimizer="sgd").optimizer_state == 0
-    assert profiler.static_memory(model, optimizer=torch.optim.AdamW(model.parameters())).optimizer_state == 8 * params
+    assert static_memory(model, optimizer="sgd").optimizer_state == 0
+    assert static_memory(model, optimizer=torch.optim.AdamW(model.parameters())).optimizer_state == 8 * params
     momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    assert profiler.static_memory(model, optimizer=momentum).optimizer_state == 4 * params
+    assert static_memory(model, optimizer=momentum).optimizer_state == 4 * params
     with pytest.raises(ValueError, match="optimizer='lion'"):
-        profiler.static_memory(model, optimizer="lion")
+        static_memory(model, optimizer="lion")
 
 
 def test_profiling_leaves_model_grads_and_rng_alone():
@@ -296,13 +298,13 @@ def _layer_inputs(bundle):
 @pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_saved_outputs_of_one_layer(device, tiny_real):
     bundle = build_model("llama-tiny", device=device)
-    saved = profiler.saved_outputs(bundle.model.layers[1], *_layer_inputs(bundle))
+    saved = saved_outputs(bundle.model.layers[1], *_layer_inputs(bundle))
     in_model = {u.local_name: u.saved_bytes for u in tiny_real.layer_units(1)}
     # Inside the model the layer output (add_1) is also kept, by the next layer: not the layer's own doing.
     assert saved.saved_bytes == {**in_model, "add_1": 0}
     assert saved.units == {name for name, nbytes in in_model.items() if nbytes and name != "add_1"}
-    assert profiler.OpKey("feed_forward.w1.activation.silu", 0) in saved
-    assert profiler.OpKey("attention.wq.matmul", 0) not in saved
+    assert OpKey("feed_forward.w1.activation.silu", 0) in saved
+    assert OpKey("attention.wq.matmul", 0) not in saved
     norm_ops = [(key, op) for key, op in saved.all_ops if key.unit == "attention_norm.norm"]
     assert [op for _, op in norm_ops] == ["aten.pow.Tensor_Scalar", "aten.mean.dim", "aten.add_.Scalar",
                                           "aten.rsqrt.default", "aten.mul.Tensor", "aten.mul.Tensor"]

@@ -11,7 +11,8 @@ import pytest
 from adaptive_mem import ConfigError, ModelSpecError, build_model, plan_from_config
 from adaptive_mem.cli._main import main
 from profiler import Profile, ProfileError
-from search import Plan, PlanError, random_profile
+from search import Plan, PlanError
+from _profiles import random_profile
 
 
 def run(capsys, *argv) -> tuple[int, str, str]:

@@ -11,7 +11,9 @@ import pytest
 
 import adaptive_mem as am
 from adaptive_mem.cli._main import main
-from search import BudgetError, DeviceMemoryError, InfeasibleBudgetError, fmt_bytes, fmt_seconds, random_profile
+from search import BudgetError, DeviceMemoryError, InfeasibleBudgetError, fmt_bytes
+from search.planning import fmt_seconds
+from _profiles import random_profile
 
 QUICKSTART = '''\
 import torch, adaptive_mem as am
@@ -116,7 +118,7 @@ def test_solver_options_reach_the_solver(synthetic):
 
 def test_the_command_still_refuses_a_percentage(synthetic, tmp_path, capsys):
     assert main(["search", str(synthetic), "--budget", "60%", "-o", str(tmp_path / "p.yaml")]) == 2
-    assert "--budget='60%': expected a size like 40GiB" in capsys.readouterr().err
+    assert "--budget='60%': expected a positive size such as 40GiB" in capsys.readouterr().err
 
 
 def test_exports_leave_the_search_package_alone():

@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from adaptive_mem.cli._main import main
-from search import Plan, StepModel, random_profile, resolve
+from search import Plan, StepModel
+from search.planning import resolve
+from _profiles import random_profile
 
 
 @pytest.fixture(scope="module")

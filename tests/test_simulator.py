@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from search import Action, Decision, Plan, PlanError, StepModel, SyntheticUnit, simulate, synthetic_profile
-from search._pipeline import split_stages
+from search import Action, Decision, Plan, PlanError, StepModel, simulate
+from _profiles import SyntheticUnit, synthetic_profile
+from search.planning import split_stages
 
 MiB = 1 << 20
 ms = 1e-3

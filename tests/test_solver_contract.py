@@ -21,10 +21,11 @@ from search import (
     StepModel,
     UnknownSolverError,
     get_solver,
-    random_profile,
     simulate,
     solver_names,
 )
+
+from _profiles import random_profile
 
 SOLVERS = solver_names()
 FAST = {"optuna": {"trials": 40}}

@@ -8,10 +8,12 @@ import random
 import pytest
 
 from adaptive_mem.cli._main import main
-from search import (BatchSizesError, Plan, StepModel, get_solver, maximize_throughput, parse_batch_sizes,
-                    random_profile, scale_profile, scaling_error)
-from search._budget import keep_all
-from search._simulator import simulate_assignment
+from search import (BatchSizesError, Plan, StepModel, get_solver, maximize_throughput, scale_profile,
+                    scaling_error)
+from _profiles import random_profile
+from search.planning import parse_batch_sizes
+from search.planning import keep_all
+from search.planning import simulate_assignment
 
 from test_milp_exact import PREFETCH, brute_force
 

@@ -8,7 +8,7 @@ from torch import nn
 
 import profiler
 from adaptive_mem import build_model
-from profiler import UnitNamer, is_view_op, op_label
+from profiler.naming import UnitNamer, is_view_op, op_label
 
 aten = torch.ops.aten
 

@@ -11,8 +11,9 @@ import profiler
 from adaptive_mem import ConfigError, build_model, plan_from_config
 from adaptive_mem.cli._main import main
 from adaptive_mem.config._names import layer_names
-from search._plan import Action, matches
-from search._solver import fmt_bytes
+from search import Action
+from search.planning import matches
+from search import fmt_bytes
 
 TINY = {"hf:gpt2": "n_layer=2,n_embd=32,n_head=2", "hf:qwen2": "num_hidden_layers=2,hidden_size=32,"
         "intermediate_size=64,num_attention_heads=2,num_key_value_heads=1"}

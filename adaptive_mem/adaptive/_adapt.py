@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from search._plan import Plan
+from search import Plan
 
 from ._measure import _fmt
 from ._planner import Planner, describe

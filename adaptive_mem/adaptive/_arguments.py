@@ -27,7 +27,7 @@ def unmark(model: nn.Module, loop: Any) -> None:
 
 def check_arguments(model: nn.Module, *, budget: Any, solver: str, tolerance: float) -> int | None:
     """``budget`` in bytes (None: the device capacity, found at the first step); ValueError for a bad argument."""
-    from search._budget import parse_bytes
+    from search import parse_bytes
 
     if isinstance(budget, str):
         budget = parse_bytes(budget, key="--memory-budget")

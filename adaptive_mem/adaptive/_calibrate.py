@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from profiler import Profile, measure_disk
-from profiler._timing import timed
+from profiler.tracing import timed
 from search import Action, Decision, Plan, simulate
 
 from adaptive_mem.runtime._apply import apply_plan

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from profiler._fingerprint import structure_fingerprint
-from search._plan import Plan
+from profiler.naming import ModelStructure
+from search import Plan
 
 from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
@@ -76,7 +76,9 @@ class AdaptiveMemory:
         """Fraction of the budget a SwapManager prefetch leaves free for backward's own allocations."""
         self.device = next((p.device for p in model.parameters()), torch.device("cpu"))
         warn_untested(model)
-        self.manager = SwapManager(model, device=self.device, host_budget=host_budget)
+        self.structure = ModelStructure.of(model)
+        """The model's layers, names and fingerprint, found once and handed to the SwapManager and each plan."""
+        self.manager = SwapManager(model, device=self.device, host_budget=host_budget, structure=self.structure)
         self.hook: OomHook = make_hook(self.manager.rescue, self.device, pluggable=pluggable_allocator,
                                        exhausted=self._exhausted)
         self.refusals = BudgetRefusals(model, hook=self.hook, manager=self.manager, ranks=self.ranks)
@@ -93,7 +95,7 @@ class AdaptiveMemory:
         self.cache_hits = 0
         self.batch: AdaptiveBatch | None = None
         """With ``--adaptive-batch-size``: the micro-batch size and accumulation steps the training loop uses."""
-        self._structure = structure_fingerprint(model)
+        self._structure = self.structure.fingerprint
         self._handle: Any = None
         self._inputs_key: Any = None
         self._in_step = False
@@ -335,7 +337,7 @@ class AdaptiveMemory:
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
             self._handle = apply_plan(self.model, plan=unchecked, profile=self.profiler.profile,
-                                      host_memory_budget=self.host_budget)
+                                      host_memory_budget=self.host_budget, structure=self.structure)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
                 engine.prefetch_reserve = self.manager.prefetch_reserve

@@ -20,8 +20,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from profiler._fingerprint import structure_fingerprint
-from search._plan import Plan, PlanError
+from profiler.naming import structure_fingerprint
+from search import Plan, PlanError
 
 __all__ = ["PlanCache", "CachedPlan", "CacheEntry", "plan_key", "default_cache_dir", "layout_sizes"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from search._plan import Plan
+from search import Plan
 
 from ._measure import _fmt
 
@@ -38,7 +38,7 @@ class Planner:
 
     def solve(self, target: int) -> Plan:
         from search import Problem, get_solver
-        from search._solver import InfeasibleBudgetError
+        from search import InfeasibleBudgetError
 
         if target not in self._solved:
             try:
@@ -51,11 +51,11 @@ class Planner:
         return self._solved[target]
 
     def _most_saving_plan(self) -> Plan:
-        from search import plan_from_assignment, simulate_assignment
-        from search._budget import _min_candidates
+        from search.planning import plan_from_assignment, simulate_assignment
+        from search.planning import min_candidates
 
         model = self.step_model
-        best = min(_min_candidates(model), key=lambda a: simulate_assignment(model, a).peak_bytes)
+        best = min(min_candidates(model), key=lambda a: simulate_assignment(model, a).peak_bytes)
         plan = plan_from_assignment(model, best)
         plan.meta.update({"solver": "most-saving", "predicted_peak_bytes": simulate_assignment(model, best).peak_bytes,
                           "predicted_step_time": round(simulate_assignment(model, best).step_time, 9)})

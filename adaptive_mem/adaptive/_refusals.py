@@ -32,7 +32,7 @@ class BudgetRefusals:
     def check_static(self, budget: int) -> None:
         """Parameters, their gradients and what a parallel wrapper surely gathers never leave the device: fail
         before the step if they cannot fit (a lower bound; the profile of the first step measures the rest)."""
-        from profiler._static import unique_bytes  # a sharded parameter: this rank's shard
+        from profiler.tracing import unique_bytes
 
         params = list(self.model.parameters())
         param_bytes = unique_bytes(params)

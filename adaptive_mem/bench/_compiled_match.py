@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from search import simulate_assignment
-from search._budget import keep_all
-from search._plan import Plan
+from search.planning import simulate_assignment
+from search.planning import keep_all
+from search import Plan
 
 from ._policy_compiled import compile_layout
 

@@ -93,7 +93,7 @@ def compile_whole_model(model: nn.Module, *, backend: str, budget: float) -> tup
 
 def layers_of(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks (the profiler's notion of a layer)."""
-    from profiler import find_layers
+    from profiler.naming import find_layers
 
     info = find_layers(model)
     if info is None:

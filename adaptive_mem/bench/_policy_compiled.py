@@ -34,7 +34,7 @@ def compile_blocks(model: Any, backend: str) -> Any:
 
 def compile_layout(plan: Any) -> str:
     """``"whole-model"`` for a plan without swap decisions, else ``"per-block"`` (Note: [ours + compile layout])."""
-    from search._plan import Action
+    from search import Action
 
     swaps = any(d.action is Action.SWAP for d in plan.decisions.values())
     return "per-block" if swaps else "whole-model"
@@ -60,7 +60,7 @@ class MilpCompiledPolicy(Policy):
         import dataclasses
 
         from adaptive_mem._optimize import optimize
-        from search._plan import Plan
+        from search import Plan
 
         backend = job.get("compile_backend", "inductor")
         plan = Plan.load(job["plan"])

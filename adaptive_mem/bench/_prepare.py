@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from profiler import Profile
-from search import Budget, Problem, StepModel, get_solver, resolve, simulate_assignment
-from search._plan import Action
+from search import Budget, Problem, StepModel, get_solver
+from search.planning import resolve, simulate_assignment
+from search import Action
 
 __all__ = ["PrepareContext", "plan_layers"]
 

@@ -77,7 +77,8 @@ def _sharded(profile: Any, dp: int) -> Any:
 
 
 def _run_config(profile: Any, cfg: SimConfig, solver: str, capacity: int) -> dict[str, Any]:
-    from search import InfeasibleBudgetError, Problem, StepModel, get_solver, split_stages
+    from search import InfeasibleBudgetError, Problem, StepModel, get_solver
+    from search.planning import split_stages
 
     if cfg.stages == 1:
         stages = [(StepModel.build(profile), 1)]

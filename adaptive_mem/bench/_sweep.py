@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 
-from search import Budget, InfeasibleBudgetError, StepModel, get_solver, simulate_assignment
+from search import Budget, InfeasibleBudgetError, StepModel, get_solver
+from search.planning import simulate_assignment
 
 __all__ = ["sweep"]
 

@@ -41,8 +41,9 @@ POLICIES = (("no plan", "none"), ("full recompute", "full"), ("torch.compile mem
 
 
 def _compile_fraction(profiles: dict[int, Any], batch: int, memory: int) -> float:
-    from search import StepModel, activation_peak, profile_for_batch
-    from search._budget import keep_all
+    from search import StepModel, profile_for_batch
+    from search.planning import activation_peak
+    from search.planning import keep_all
 
     model = StepModel.build(profile_for_batch(profiles, batch))
     act = activation_peak(model, keep_all(model))

@@ -150,7 +150,7 @@ def _check_arguments(args: argparse.Namespace):
 def _throughput_sizes(args: argparse.Namespace) -> list[int] | None:
     if args.throughput is None:
         return None
-    from search import parse_batch_sizes
+    from search.planning import parse_batch_sizes
 
     throughput = parse_batch_sizes(args.throughput, key="--throughput")
     if args.simulate_only:

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import profiler
 from profiler import HardwareSpec, Profile
-from search import Stage, StepModel, split_stages
+from search import StepModel
+from search.planning import Stage, split_stages
 
-from ._profile import positive_int as positive
+from adaptive_mem.config._layout import positive_int as positive
 
 HARDWARE_NAMES = (*profiler.HARDWARE, "cpu")
 

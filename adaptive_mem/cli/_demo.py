@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--compile-backend={args.compile_backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
     batch_sizes = None
     if args.throughput.strip():
-        from search import parse_batch_sizes
+        from search.planning import parse_batch_sizes
 
         batch_sizes = parse_batch_sizes(args.throughput, key="--throughput")
     out = Path(args.out)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from search._plan import Action, Plan
+from search import Action, Plan
 
 from adaptive_mem.config._megatron_args import add_arguments as add_megatron_flags
 from adaptive_mem.config import ConfigError, plan_from_config

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from profiler import SCHEDULES, Layout, LayoutError
+from profiler import SCHEDULES, Layout
 
-__all__ = ["SHARDING", "add_layout_arguments", "layout_from_args", "merge_layout"]
+from adaptive_mem.config._layout import layout_from_given
 
-SHARDING = ("tensor_parallel", "sequence_parallel", "data_parallel", "zero")
-"""Keys fixed when a profile is cut to one rank; the pipeline keys may still change at search time."""
-
+__all__ = ["add_layout_arguments", "given_flags", "layout_from_args"]
 
 def add_layout_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ...] = ()) -> None:
     """``skip``: flags the caller defines itself (``search`` has ``--pipeline-stages``, ``--micro-batches``)."""
@@ -36,7 +34,8 @@ def add_layout_arguments(parser: argparse.ArgumentParser, *, skip: tuple[str, ..
                             "--virtual-pipeline-stages > 1)")
 
 
-def _given(args: argparse.Namespace) -> dict:
+def given_flags(args: argparse.Namespace) -> dict:
+    """The layout keys the command line names (flags not given are left out)."""
     return {k: getattr(args, k, None) for k in ("tensor_parallel", "pipeline_stages", "virtual_pipeline_stages",
                                                 "data_parallel", "sequence_parallel", "zero", "micro_batches",
                                                 "schedule") if getattr(args, k, None) is not None}
@@ -44,24 +43,4 @@ def _given(args: argparse.Namespace) -> dict:
 
 def layout_from_args(args: argparse.Namespace, *, base: Layout | None = None) -> Layout:
     """The layout the flags name, on top of ``base`` (unnamed keys: ``base``'s, else the defaults)."""
-    given = _given(args)
-    if "schedule" not in given and str(given.get("virtual_pipeline_stages", "1")) != "1":
-        given["schedule"] = "interleaved-1f1b"
-    return Layout.from_flags(base=base, **given)
-
-
-def merge_layout(recorded: dict | None, args: argparse.Namespace) -> Layout:
-    """A profile's recorded layout with the flags given to ``search`` on top; the sharding keys must agree
-    (the profile is already one rank's share)."""
-    base = Layout.from_dict(recorded, where="profile.model.layout") if recorded is not None else Layout()
-    named = _given(args)
-    for key in SHARDING:
-        if key not in named:
-            continue
-        value = getattr(Layout.from_flags(base=base, **{key: named[key]}), key)
-        if value != getattr(base, key):
-            flag = "--" + key.replace("_", "-")
-            raise LayoutError(f"{flag}={named[key]!r}: the profile was cut to one rank with {key}="
-                              f"{getattr(base, key)!r}; expected the same, or a profile made with "
-                              f"`adaptive-mem profile {flag} ...`")
-    return layout_from_args(args, base=base)
+    return layout_from_given(given_flags(args), base=base)

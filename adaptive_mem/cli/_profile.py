@@ -7,10 +7,12 @@ import logging
 from pathlib import Path
 
 import profiler
+from profiler.tracing import parameter_split
 from search import fmt_bytes
-from search._budget import device_shortfall
+from search.planning import device_shortfall
 
 from adaptive_mem._model_spec import FORMS, build_model
+from adaptive_mem.config._layout import positive_int
 
 NAME = "profile"
 HELP = "profile one training step: per-op saved activations, fwd/bwd times, static memory, link bandwidth"
@@ -56,19 +58,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_layout_arguments(parser)
 
 
-def positive_int(flag: str, value: str | int | None) -> int | None:
-    """``--flag`` value as a positive int (None stays None); a one-line ValueError otherwise."""
-    if value is None:
-        return None
-    try:
-        number = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{flag}={value!r}: expected a positive integer") from None
-    if number <= 0:
-        raise ValueError(f"{flag}={value!r}: expected a positive integer")
-    return number
-
-
 def build_from_args(args: argparse.Namespace):
     return build_model(
         args.model, model_args=args.model_args, batch_size=positive_int("--batch-size", args.batch_size),
@@ -99,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.optimizer.lower() not in profiler.OPTIMIZERS:
         raise ValueError(f"--optimizer={args.optimizer!r}: expected one of {', '.join(profiler.OPTIMIZERS)}")
     if args.compile is not None:
-        from profiler._compiled import check_backend
+        from profiler.tracing import check_backend
 
         check_backend(args.compile)
         if args.device == "meta":
@@ -134,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _shard(result: profiler.Profile, bundle, layout: profiler.Layout) -> profiler.Profile:
     """One rank's share of the profiled step (``profiler.shard_profile``)."""
-    split = profiler.parameter_split(bundle.model, result.layer_info(), tensor_parallel=layout.tensor_parallel)
+    split = parameter_split(bundle.model, result.layer_info(), tensor_parallel=layout.tensor_parallel)
     sheet = profiler.HARDWARE.get(result.hardware.name)
     link = sheet.interconnect_bandwidth if sheet is not None else 0.0
     shared = profiler.shard_profile(result, layout=layout, split=split, interconnect=link)

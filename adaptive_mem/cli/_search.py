@@ -8,13 +8,14 @@ from pathlib import Path
 
 import yaml
 
-from search import Budget, fmt_bytes, fmt_seconds
+from search import Budget, fmt_bytes
+from search.planning import fmt_seconds
 from profiler import Layout
 
 from adaptive_mem._search import StageResult, check_arguments, search
 
 from ._common import HARDWARE_NAMES, check_output_path, write_text_atomic
-from ._layout_args import _given, add_layout_arguments
+from ._layout_args import add_layout_arguments, given_flags
 from ._search_layout import report_pipeline
 from ._search_throughput import add_throughput_arguments, run_throughput
 
@@ -116,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     check_output_path(args.output, flag="--output")
     result = search(args.profile[0], budget=args.budget, activation_budget=args.activation_budget,
                     solver=args.solver, hardware=args.hardware, progress=True,
-                    on_stage=lambda stage: _report_stage(stage, args), **_given(args))
+                    on_stage=lambda stage: _report_stage(stage, args), **given_flags(args))
     if result.ranks:
         report_pipeline(result)
     plan = result.plan

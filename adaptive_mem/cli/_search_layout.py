@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from search import fmt_bytes, fmt_seconds
+from search import fmt_bytes
+from search.planning import fmt_seconds
 
 from adaptive_mem._search import SearchResult
 

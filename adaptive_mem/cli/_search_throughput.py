@@ -7,7 +7,8 @@ import argparse
 import logging
 from typing import Callable
 
-from search import Budget, fmt_bytes, fmt_seconds, parse_batch_sizes, solver_names
+from search import Budget, fmt_bytes, solver_names
+from search.planning import fmt_seconds, parse_batch_sizes
 
 from adaptive_mem._throughput import check_model_args, maximize_throughput
 

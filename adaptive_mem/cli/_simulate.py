@@ -6,8 +6,8 @@ import argparse
 import logging
 
 from search import Plan, StepModel, fmt_bytes, simulate
-from search._budget import device_shortfall
-from search._match import check_plan_matches
+from search.planning import device_shortfall
+from search.planning import check_plan_matches
 
 from ._common import add_profile_arguments, check_output_path, load
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 
 from profiler import Profile
-from search._solver import fmt_bytes, fmt_seconds
+from search import fmt_bytes
+from search.planning import fmt_seconds
 
 from adaptive_mem._model_spec import FORMS
 from adaptive_mem.config._names import LayerNames, layer_names

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from search._plan import PLAN_FORMAT, Plan
-from search._yaml import load_document
+from search import PLAN_FORMAT, Plan
+from search.planning import load_document
 
 from ._errors import ConfigError, fmt
 from ._export import plan_to_megatron, plan_to_mindformers

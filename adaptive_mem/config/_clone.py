@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from profiler._paths import COMPILE_CHILD, is_compile_wrapper
-from profiler._structure import is_data_parallel
+from profiler.naming import COMPILE_CHILD, is_compile_wrapper
+from profiler.naming import is_data_parallel
 
 __all__ = ["clone_module", "fake_clone", "fake_mode_of", "rebind"]
 

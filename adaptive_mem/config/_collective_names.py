@@ -15,8 +15,8 @@ from typing import Any, Iterator
 
 from torch import nn
 
-from profiler._paths import named_modules
-from profiler._units import COLLECTIVE_LABELS
+from profiler.naming import named_modules
+from profiler.naming import COLLECTIVE_LABELS
 
 __all__ = ["is_collective_name", "layout_collectives", "layout_styles"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from search._plan import Action, Plan
+from search import Action, Plan
 
 from ._errors import ConfigError, expect_int
 

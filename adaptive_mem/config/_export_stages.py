@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from search._plan import Action, Plan
+from search import Action, Plan
 
 from ._errors import ConfigError
 from ._export import _entries, _covered, plan_to_megatron, plan_to_mindformers

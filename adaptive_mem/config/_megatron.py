@@ -18,7 +18,7 @@ import argparse
 import logging
 from typing import Any
 
-from search._plan import Action, Decision, Plan
+from search import Action, Decision, Plan
 
 from ._errors import ConfigError, fmt
 from ._names import LayerNames

@@ -14,7 +14,7 @@ import difflib
 import logging
 from typing import Any
 
-from search._plan import Action, Decision, Plan
+from search import Action, Decision, Plan
 
 from ._errors import ConfigError, expect_int, fmt
 from ._layers import StageLayout

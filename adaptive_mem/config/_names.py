@@ -18,10 +18,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from profiler._kinds import LayerKinds
-from profiler._paths import named_modules
-from profiler._structure import ModelStructure
-from profiler._units import LayerInfo, UnitNamer, join, leaf_label
+from profiler.naming import LayerKinds
+from profiler.naming import named_modules
+from profiler.naming import ModelStructure
+from profiler.naming import LayerInfo, UnitNamer, join, leaf_label
 
 from ._clone import fake_clone, fake_mode_of
 from ._collective_names import layout_collectives

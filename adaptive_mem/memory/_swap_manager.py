@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from profiler._paths import named_modules
-from profiler._structure import ModelStructure
+from profiler.naming import named_modules
+from profiler.naming import ModelStructure
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier

@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from profiler._fingerprint import input_fingerprint, split_fingerprint
-from profiler._structure import ModelStructure, is_data_parallel
-from profiler._units import UnitNamer
-from search._plan import Plan, PlanError
+from profiler.naming import input_fingerprint, split_fingerprint
+from profiler.naming import ModelStructure, is_data_parallel
+from profiler.naming import UnitNamer
+from search import Plan, PlanError
 
 from adaptive_mem.runtime._executor import Executor
 from adaptive_mem.runtime._resolve import LayerMode, Resolution, is_collective_unit, log_plan, resolve_plan
@@ -206,7 +206,7 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
     units = None
     if profile is not None:
         if isinstance(profile, (str, Path)):
-            from profiler._profile import Profile
+            from profiler import Profile
 
             profile = Profile.load(profile)
         units = [u.name for u in profile.units]

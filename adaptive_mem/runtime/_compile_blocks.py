@@ -12,8 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from profiler._paths import is_compile_wrapper
-from profiler._structure import ModelStructure
+from profiler.naming import is_compile_wrapper
+from profiler.naming import ModelStructure
 
 from adaptive_mem.config._errors import ConfigError, fmt
 

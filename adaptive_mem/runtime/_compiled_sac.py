@@ -28,7 +28,7 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from profiler._units import UnitNamer, is_view_op, join, op_label
+from profiler.naming import UnitNamer, is_view_op, join, op_label
 
 __all__ = ["CompiledSacPolicy", "compiled_sac_context"]
 

@@ -31,8 +31,8 @@ from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
 from torch.utils._pytree import tree_flatten
 
-from profiler._paths import is_compile_wrapper
-from search._plan import Action
+from profiler.naming import is_compile_wrapper
+from search import Action
 
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext

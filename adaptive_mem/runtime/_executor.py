@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from adaptive_mem.config._collective_names import layout_styles
-from profiler._structure import ModelStructure
-from search._plan import Action, Plan
+from profiler.naming import ModelStructure
+from search import Action, Plan
 
 from ._accounting import current_accounting
 from ._compiled_swap import CompiledBlocks

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from adaptive_mem.config._errors import ConfigError
-from profiler._units import function_scope
+from profiler.naming import function_scope
 
 __all__ = ["wrap_function", "adapt_mem_func_wrapper", "function_labels"]
 

@@ -34,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from profiler._paths import is_compile_wrapper
+from profiler.naming import is_compile_wrapper
 
 from ._plan_context import PlanContext
 

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from search._plan import Action
+from search import Action
 
 from ._op_level import outside_dynamo
 from ._plan_context import PlanContext

@@ -10,8 +10,8 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from profiler._structure import ModelStructure
-from search._plan import Plan
+from profiler.naming import ModelStructure
+from search import Plan
 
 from ._resolve import Resolution
 from ._swap_engine import SwapEngine

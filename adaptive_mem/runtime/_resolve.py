@@ -15,10 +15,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from profiler._paths import named_modules
-from profiler._structure import ModelStructure
-from profiler._units import COLLECTIVE_LABELS, LayerInfo, join, leaf_label
-from search._plan import Action, Decision, Plan, PlanError, matches
+from profiler.naming import named_modules
+from profiler.naming import ModelStructure
+from profiler.naming import COLLECTIVE_LABELS, LayerInfo, join, leaf_label
+from search import Action, Decision, Plan, PlanError
+from search.planning import matches
 
 from adaptive_mem.runtime._functions import function_labels
 

@@ -31,8 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
-from profiler import OpCounter, UnitNamer
-from profiler._fake_ops import install_fake_fallbacks
+from profiler.naming import OpCounter, UnitNamer
+from profiler.tracing import install_fake_fallbacks
 
 from ._swap_engine import no_cycle
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from search._plan import Action, matches
+from search import Action
+from search.planning import matches
 
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot

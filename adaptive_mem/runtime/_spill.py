@@ -86,7 +86,7 @@ def as_host_budget(value: "HostBudget | int | str | None", *, flag: str = "host_
     if value is None or isinstance(value, HostBudget):
         return value
     if isinstance(value, str):
-        from search._budget import parse_bytes
+        from search import parse_bytes
 
         return HostBudget(parse_bytes(value, key=flag))
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

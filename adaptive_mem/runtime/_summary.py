@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from profiler._profile import Profile, ProfileError
-from search._model import StepModel
-from search._plan import Action, Plan
-from search._simulator import Assignment, segments
+from profiler import Profile, ProfileError
+from search import StepModel
+from search import Action, Plan
+from search.planning import Assignment, segments
 
 from ._resolve import LayerMode, Resolution
 

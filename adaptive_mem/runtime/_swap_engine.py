@@ -40,7 +40,7 @@ from typing import Any, Callable
 import torch
 
 from profiler import machinery_scope
-from profiler._recorder import local_shard, no_cycle
+from profiler.tracing import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
 from ._host_pool import FileHostPool, HostBuffer, HostPool

@@ -1,7 +1,6 @@
 """Synthetic profiles: L identical (or jittered) layers of K units with chosen bytes and times.
 
-Used by the tests (brute-force checks need small instances with known numbers) and by
-``benchmarks/bench_search.py`` when no real profile is at hand.
+Test fixtures: brute-force checks need small instances with known numbers.
 """
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from profiler._profile import HardwareSpec, OpRecord, Profile, StaticMemory, UnitRecord
+from profiler import HardwareSpec, OpRecord, Profile, StaticMemory, UnitRecord
 
 __all__ = ["SyntheticUnit", "synthetic_profile", "random_profile"]
 

@@ -1,0 +1,25 @@
+"""The step model's arithmetic below the user API: assignments and their simulation, budgets against a device,
+pipeline stages and schedules, plan matching and documents; what the adaptive loop, the CLI and the bench build on.
+
+Not part of the user API (``search.__all__``); adaptive-mem's other packages import these from here.
+"""
+
+from ._assignment import Assignment
+from ._budget import activation_peak, check_feasible, device_capacity, device_shortfall, keep_all, min_candidates
+from ._collectives import data_parallel_comm
+from ._match import check_plan_matches
+from ._pipeline import Stage, split_layout, split_stages
+from ._plan import KEEP, matches
+from ._scaling import keep_all_step_time
+from ._schedules import chunk_layers, in_flight, pipeline_step_time
+from ._simulator import resolve, segments, simulate_assignment
+from ._solver import fmt_seconds, plan_from_assignment
+from ._throughput import parse_batch_sizes
+from ._timeline import Interval, Timeline
+from ._yaml import load_document
+
+__all__ = ["Assignment", "Interval", "KEEP", "Stage", "Timeline", "activation_peak", "check_feasible",
+           "check_plan_matches", "chunk_layers", "data_parallel_comm", "device_capacity", "device_shortfall",
+           "fmt_seconds", "in_flight", "keep_all", "keep_all_step_time", "load_document", "matches",
+           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "resolve",
+           "segments", "simulate_assignment", "split_layout", "split_stages"]
