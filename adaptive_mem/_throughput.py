@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from profiler import HardwareSpec, Profile, hardware_spec
-from search import Budget, Plan, ScalingCheck, ThroughputResult, fmt_bytes, get_solver, scaling_error
-from search.planning import parse_batch_sizes
+from search import (Budget, DeviceMemoryError, Plan, ScalingCheck, ThroughputResult, fmt_bytes, get_solver,
+                    scaling_error)
 from search import maximize_throughput as _maximize
-from search import DeviceMemoryError
-from search.planning import device_capacity
+from search.planning import device_capacity, parse_batch_sizes
 
 __all__ = ["ThroughputSearchResult", "check_model_args", "maximize_throughput"]
 

@@ -215,6 +215,19 @@ class Plan:
         the targets inside it. ``{recompute}`` = recomputed as a whole (Note: [one resolution rule])."""
         return {self.decide(path).action} | {d.action for t, d in self.decisions.items() if t.startswith(path + ".")}
 
+    def check_recompute_inside(self, layer_paths: list[str], containers: tuple[str, ...] | list[str]) -> None:
+        """:class:`PlanError` for a recompute target outside the repeated layers: inside one of ``layer_paths`` or
+        naming a whole stack of them (one of ``containers``) it may be; elsewhere (embedding, head, loss) nothing
+        re-runs it in backward (Note: [one resolution rule])."""
+        for target, decision in self.decisions.items():
+            if decision.action is not Action.RECOMPUTE or target in containers:
+                continue
+            if not any(target == p or target.startswith(p + ".") for p in layer_paths):
+                where = (" or ".join(f"{c}.N" if c else "N" for c in containers) if containers
+                         else "repeated layers (none found in this model)")
+                raise PlanError(f"plan.decisions.{target!r}: action recompute outside the repeated layers; expected "
+                                f"recompute targets inside {where}")
+
     def swapped_inputs(self, layer_paths: list[str]) -> dict[int, tuple[str, Decision]]:
         """Layer index -> (target, decision) of each layer recomputed as a whole whose checkpoint input is swapped
         (Note: [swapped checkpoint input]); :class:`PlanError` for a ``swap_input`` target covering part of a

@@ -25,17 +25,15 @@ log = logging.getLogger(__name__)
 
 def resolve(model: StepModel, plan: Plan) -> Assignment:
     """Apply targets (Note: [one resolution rule]), groups and the coupling rule to every unit."""
+    info = model.profile.layer_info()
+    paths = [info.layer_path(i) for i in range(info.count)] if info is not None else []
+    plan.check_recompute_inside(paths, info.containers if info is not None else ())
     actions: list[Action] = []
     prefetch: list[int] = []
     for u in model.units:
         decision = plan.decide(u.name)
-        if decision.action is Action.RECOMPUTE and model.layer_of(u.position) is None:
-            raise PlanError(f"plan: unit {u.name!r} is decided recompute outside the repeated layers; expected "
-                            f"recompute targets inside {_layer_pattern(model)}")
         actions.append(decision.action)
         prefetch.append(decision.backward_prefetch if decision.action is Action.SWAP else 1)
-    info = model.profile.layer_info()
-    paths = [info.layer_path(i) for i in range(info.count)] if info is not None else []
     groups = _groups(model, plan, paths)
     grouped = {p for a, b in groups for p in range(a, b + 1)}
     inputs: list[tuple[int, int]] = []
@@ -153,11 +151,6 @@ def simulate_assignment(model: StepModel, asg: Assignment, *, in_flight: int = 1
                         record: bool = False) -> Simulation:
     """Run the event timeline of one step (see the module docstring for the release rule; ``_step_run.py``)."""
     return StepRun(model, asg, segments(model, asg), in_flight=in_flight, record=record).run()
-
-
-def _layer_pattern(model: StepModel) -> str:
-    info = model.profile.layer_info()
-    return " or ".join(f"{c}.N" if c else "N" for c in info.containers) if info else "the layers"
 
 
 def simulate(profile: Profile | StepModel, plan: Plan, *, hardware: HardwareSpec | None = None, in_flight: int = 1,

@@ -47,12 +47,11 @@ def _decision(action: str, prefetch: int, swap_input: bool) -> dict:
     return {"action": action}
 
 
-def _target(kind: int, index: int, spec: str) -> tuple[str, bool]:
-    """A target of one kind (unit, module path, layer, container, inside a layer) and whether it may recompute."""
+def _target(kind: int, index: int, spec: str) -> str:
+    """A target of one kind: a unit, a module path, a layer, a layers' container, a unit or module inside a layer."""
     _, _, units, modules, layer_paths, inside, containers = _model(spec)
     pool = (units, modules, layer_paths, containers, inside)[kind]
-    target = pool[index % len(pool)]
-    return target, kind >= 2 or target in inside
+    return pool[index % len(pool)]
 
 
 _one = st.tuples(st.integers(0, 4), st.integers(0, 10_000), st.sampled_from(("keep", "recompute", "swap")),
@@ -62,9 +61,7 @@ _one = st.tuples(st.integers(0, 4), st.integers(0, 10_000), st.sampled_from(("ke
 def _plan(spec: str, drawn: list) -> Plan:
     decisions: dict[str, dict] = {}
     for kind, index, action, prefetch, swap_input in drawn:
-        target, may_recompute = _target(kind, index, spec)
-        if action == "recompute" and not may_recompute:
-            action = "swap"
+        target = _target(kind, index, spec)
         decisions[target] = _decision(action, prefetch, swap_input and kind in (2, 3))
     return Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions})
 

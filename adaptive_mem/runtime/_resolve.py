@@ -137,7 +137,7 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
     provisional = _check_targets(plan, structure, units)
     layers = structure.layers
     paths = structure.layer_paths
-    _check_recompute_targets(plan, layers, paths)
+    plan.check_recompute_inside(paths, layers.containers if layers is not None else ())
     modes = [_layer_mode(plan, path) for path in paths]
     groups = _checked_groups(plan, layers, modes, paths)
     input_swaps = _input_swaps(plan, paths, modes, groups)
@@ -152,20 +152,6 @@ def resolve_plan(plan: Plan, model: nn.Module, *, units: Iterable[str] | None = 
         log.warning("distribute_saved_activations is set but no layer is recomputed as a whole: nothing to distribute")
     return Resolution(layers=layers, modes=modes, groups=groups, swap_outside_sac=swap_outside,
                       provisional=provisional, input_swaps=input_swaps)
-
-
-def _check_recompute_targets(plan: Plan, layers: LayerInfo | None, paths: list[str]) -> None:
-    """Recompute targets lie inside the repeated layers (or name a whole stack of them)."""
-    for target, decision in plan.decisions.items():
-        if decision.action is not Action.RECOMPUTE:
-            continue
-        inside = any(target == p or target.startswith(p + ".") for p in paths)
-        covers_layers_only = layers is not None and target in layers.containers
-        if not inside and not covers_layers_only:
-            where = (" or ".join(f"{c}.N" for c in layers.containers) if layers
-                     else "repeated layers (none found in this model)")
-            raise PlanError(f"plan.decisions.{target!r}: action recompute outside the repeated layers; expected "
-                            f"recompute targets inside {where}")
 
 
 def _layer_mode(plan: Plan, path: str) -> LayerMode:
