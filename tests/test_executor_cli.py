@@ -7,7 +7,7 @@ import re
 import pytest
 
 from adaptive_mem.cli._main import main
-from adaptive_mem.cli._run import parse_bytes
+from search import parse_bytes
 from search import Plan
 
 
@@ -45,6 +45,6 @@ def test_run_bad_input_exits_2_with_one_line(argv, message, capsys):
 
 
 def test_parse_bytes():
-    assert parse_bytes("2GiB", flag="x") == 2 * 2**30
-    assert parse_bytes("1500", flag="x") == 1500
-    assert parse_bytes("1.5 MB", flag="x") == 1_500_000
+    assert parse_bytes("2GiB", key="x", plain=True) == 2 * 2**30
+    assert parse_bytes("1500", key="x", plain=True) == 1500
+    assert parse_bytes("1.5 MB", key="x", plain=True) == 1_500_000

@@ -115,13 +115,12 @@ def test_longest_target_decides_on_dotted_boundaries(spec):
 
 def test_one_budget_error_base_and_one_bytes_parser():
     from adaptive_mem.adaptive._measure import AdaptiveBudgetError
-    from adaptive_mem.cli._run import parse_bytes as run_parse_bytes
     from search import BudgetError, DeviceMemoryError, InfeasibleBudgetError, parse_bytes
 
     for error in (InfeasibleBudgetError, DeviceMemoryError, AdaptiveBudgetError):
         assert issubclass(error, BudgetError) and issubclass(error, ValueError)
     for text in ("40GiB", "1.5 MB", "3k", "2T", "100b", "7 kib"):
-        assert parse_bytes(text) == run_parse_bytes(text, flag="x")
-    assert run_parse_bytes("1500", flag="x") == 1500
+        assert parse_bytes(text) == parse_bytes(text, key="x", plain=True)
+    assert parse_bytes("1500", key="x", plain=True) == 1500
     with pytest.raises(BudgetError, match="--budget='1500': expected a positive size"):
         parse_bytes("1500")

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from search import Plan
+from search import Plan, fmt_bytes
 
-from ._measure import _fmt
 from ._planner import Planner, describe
 from ._target_search import Move, SearchState, StepRecord
 
@@ -29,8 +28,8 @@ def decide(state: SearchState, planner: Planner, record: StepRecord, *, current:
         if closed:
             return closed
     before = search.target
-    why = (f"{record.rescues} rescues, {record.retries} allocator retries, peak {_fmt(record.peak or 0)}"
-           if record.rescues else f"no rescues, peak {_fmt(record.peak or 0)} of budget {_fmt(budget)}")
+    why = (f"{record.rescues} rescues, {record.retries} allocator retries, peak {fmt_bytes(record.peak or 0, exact=True)}"
+           if record.rescues else f"no rescues, peak {fmt_bytes(record.peak or 0, exact=True)} of budget {fmt_bytes(budget, exact=True)}")
     move = search.observe(rescued=record.rescues > 0)
     # A target whose plan is the one just measured has a known outcome: keep moving.
     while move is not Move.CONVERGED and planner.solve(search.target).decisions == current:
@@ -41,11 +40,11 @@ def decide(state: SearchState, planner: Planner, record: StepRecord, *, current:
         if plan.decisions != current:
             state.pending = plan
         save(search.target, plan)
-        return (f"{why}: converged at target {_fmt(search.target)} after {record.step} steps "
+        return (f"{why}: converged at target {fmt_bytes(search.target, exact=True)} after {record.step} steps "
                 f"({len(plan.decisions)} decisions)")
     state.pending = planner.solve(search.target)
     verb = "tightening" if move is Move.TIGHTEN else "relaxing"
-    return f"{why}: {verb} the target {_fmt(before)} -> {_fmt(search.target)}; {describe(state.pending)}"
+    return f"{why}: {verb} the target {fmt_bytes(before, exact=True)} -> {fmt_bytes(search.target, exact=True)}; {describe(state.pending)}"
 
 
 def _reopen(state: SearchState, planner: Planner, record: StepRecord) -> str:
@@ -60,7 +59,7 @@ def _reopen(state: SearchState, planner: Planner, record: StepRecord) -> str:
                 "(plain model until then)")
     if search.target <= planner.min_needed:
         state.converged_at = record.step
-        return (f"{record.rescues} rescues at the most memory-saving target {_fmt(search.target)}: "
+        return (f"{record.rescues} rescues at the most memory-saving target {fmt_bytes(search.target, exact=True)}: "
                 "nothing tighter to try; the SwapManager keeps the steps alive")
     search.lo = planner.min_needed
     return ""
@@ -71,5 +70,5 @@ def describe_pending(state: SearchState) -> str:
     if state.pending is False:
         return ""
     what = "cached " if state.kind == "cached" else ""
-    target = f" for target {_fmt(state.target)}" if state.target is not None else ""
+    target = f" for target {fmt_bytes(state.target, exact=True)}" if state.target is not None else ""
     return f"warm-up done: applying the {what}{describe(state.pending)}{target}"

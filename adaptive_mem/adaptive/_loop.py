@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from profiler.naming import ModelStructure
-from search import Plan
+from search import Plan, fmt_bytes
 
 from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
@@ -38,7 +38,7 @@ from ._arguments import check_arguments, mark, unmark
 from ._batch import AdaptiveBatch
 from ._entry import hooks_before, run_again_then_first
 from adaptive_mem.runtime._spill import HostBudget, as_host_budget
-from ._measure import AdaptiveBudgetError, StepMeter, StepProfiler, _fmt, default_budget, headroom
+from ._measure import AdaptiveBudgetError, StepMeter, StepProfiler, default_budget, headroom
 from ._plan_cache import CacheEntry, PlanCache, layout_sizes
 from ._planner import Planner, describe
 from ._ranks import RankGroup, share_decision
@@ -166,8 +166,8 @@ class AdaptiveMemory:
         """One line: where the loop stands."""
         rescues = sum(r.rescues for r in self.history)
         state = f"converged at step {self.converged_at}" if self.converged else "still searching"
-        target = _fmt(self.target) if self.target is not None else "none"
-        return (f"adaptive memory: {state}, target {target}, budget {_fmt(self.budget or 0)}, "
+        target = fmt_bytes(self.target, exact=True) if self.target is not None else "none"
+        return (f"adaptive memory: {state}, target {target}, budget {fmt_bytes(self.budget or 0, exact=True)}, "
                 f"{len(self.history)} steps, {rescues} rescues, {self.profiles_run} profiles, "
                 f"{self.cache_hits} cache hits; {describe(self.plan)}")
 
@@ -288,7 +288,7 @@ class AdaptiveMemory:
             state.converged_at = len(self.history) + 1
             state.pending = cached.plan
             log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
-                     self.cache_entry.path(), _fmt(cached.target))
+                     self.cache_entry.path(), fmt_bytes(cached.target, exact=True))
             return
         if self._handle is not None:
             state.pending = None  # profile the plain model at the next step
@@ -316,7 +316,7 @@ class AdaptiveMemory:
         tol = max(1, int(self.tolerance * self.budget))
         state.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
-                 "budget %s", time.perf_counter() - start, _fmt(prof.peak_memory), _fmt(needed), _fmt(self.budget))
+                 "budget %s", time.perf_counter() - start, fmt_bytes(prof.peak_memory, exact=True), fmt_bytes(needed, exact=True), fmt_bytes(self.budget, exact=True))
         # Note: [one decision per DP group]: the other ranks take the deciding rank's plan at the step's end
         state.pending = self.planner.solve(state.search.target) if self.ranks.decides else False
 

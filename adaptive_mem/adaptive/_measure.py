@@ -14,8 +14,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from search import BudgetError, fmt_bytes
+
 from adaptive_mem.runtime._accounting import host_allocations
-from search import BudgetError
 from ._target_search import StepRecord
 from ._wrappers import wrapper_memory
 
@@ -29,11 +30,6 @@ log = logging.getLogger("adaptive_mem.adaptive._loop")
 class AdaptiveBudgetError(BudgetError):
     """The memory budget is below what the step needs with every swappable activation on the host."""
 
-
-def _fmt(n: float) -> str:
-    from search import fmt_bytes
-
-    return fmt_bytes(n, exact=True)
 
 
 class StepMeter:
@@ -115,7 +111,7 @@ class StepProfiler:
         if not (self.busy and self.hook.lift_cap()):
             return False
         size, what = self.manager.largest_unswappable()
-        self.overshoot = (needed, f"largest unswappable tensor: {what}, {_fmt(size)}")
+        self.overshoot = (needed, f"largest unswappable tensor: {what}, {fmt_bytes(size, exact=True)}")
         return True
 
     def _hardware(self) -> Any:
@@ -148,7 +144,7 @@ class StepProfiler:
             # of backward (rescues never move a tensor autograd has released), so the plain peak is at most
             # the measured one plus what was moved, and the workspace the simulator derives from it is kept.
             log.info("adaptive memory: the profiled step needed rescues (%s swapped out): its unoptimized "
-                     "peak is taken as measured + swapped", _fmt(moved))
+                     "peak is taken as measured + swapped", fmt_bytes(moved, exact=True))
             prof.peak_memory += moved
 
     def _loss(self, kwargs: dict) -> Callable[[nn.Module, tuple], torch.Tensor]:

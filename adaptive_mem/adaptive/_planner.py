@@ -7,9 +7,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from search import Plan
+from search import Plan, fmt_bytes
 
-from ._measure import _fmt
 
 __all__ = ["Planner", "describe"]
 
@@ -46,7 +45,7 @@ class Planner:
             except InfeasibleBudgetError:
                 plan = self._most_saving_plan()
                 log.info("adaptive memory: no %s plan fits the target %s; using the most memory-saving plan "
-                         "(%s)", self.solver, _fmt(target), describe(plan))
+                         "(%s)", self.solver, fmt_bytes(target, exact=True), describe(plan))
             self._solved[target] = plan
         return self._solved[target]
 
@@ -70,6 +69,6 @@ def describe(plan: Plan | None) -> str:
     for d in plan.decisions.values():
         kinds[d.action.value] = kinds.get(d.action.value, 0) + 1
     meta = plan.meta
-    pred = (f", predicted peak {_fmt(meta['predicted_peak_bytes'])}, step {meta['predicted_step_time']:.4f} s"
+    pred = (f", predicted peak {fmt_bytes(meta['predicted_peak_bytes'], exact=True)}, step {meta['predicted_step_time']:.4f} s"
             if "predicted_peak_bytes" in meta else "")
     return f"plan {dict(sorted(kinds.items())) or 'keep all'}{pred}"

@@ -13,7 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._measure import AdaptiveBudgetError, _fmt
+from search import fmt_bytes
+
+from ._measure import AdaptiveBudgetError
 from ._ranks import RankGroup
 from ._wrappers import wrapper_memory
 
@@ -45,18 +47,18 @@ class BudgetRefusals:
             size, what = self.manager.largest_unswappable()
             held = f", {wrapper.what}" if wrapper.what else ""
             raise AdaptiveBudgetError(
-                f"--memory-budget={budget}: below the minimum feasible; needed at least {_fmt(needed)} "
-                f"(live device memory and the gradients to come{held}), budget {_fmt(budget)}; "
-                f"largest unswappable tensor: {what}, {_fmt(size)}")
+                f"--memory-budget={budget}: below the minimum feasible; needed at least {fmt_bytes(needed, exact=True)} "
+                f"(live device memory and the gradients to come{held}), budget {fmt_bytes(budget, exact=True)}; "
+                f"largest unswappable tensor: {what}, {fmt_bytes(size, exact=True)}")
 
     def profile_out_of_memory(self, exc: torch.OutOfMemoryError, budget: int) -> AdaptiveBudgetError:
         """The refusal of a profiled step that ran out of memory with every swappable activation on the host."""
         size, what = self.manager.largest_unswappable()
         short = budget + getattr(exc, "needed", 0)
         return AdaptiveBudgetError(
-            f"--memory-budget={budget}: below the minimum feasible; needed more than {_fmt(short)}: the "
+            f"--memory-budget={budget}: below the minimum feasible; needed more than {fmt_bytes(short, exact=True)}: the "
             f"profiled step does not fit even with every swappable activation on the host (largest unswappable "
-            f"tensor: {what}, {_fmt(size)}): {exc}")
+            f"tensor: {what}, {fmt_bytes(size, exact=True)}): {exc}")
 
     def check_minimum(self, step_model: Any, budget: int, overshoot: tuple[int, str] | None) -> int:
         """The smallest budget the profiled step runs under (the DP group's largest); refused above ``budget``.
@@ -67,11 +69,11 @@ class BudgetRefusals:
         if overshoot is not None:  # Note: [profile past the budget]: measured, not simulated
             over, largest = overshoot
             needed = budget + over
-            what = f"the profiled step went {_fmt(over)} past the budget with every swappable activation on the " \
+            what = f"the profiled step went {fmt_bytes(over, exact=True)} past the budget with every swappable activation on the " \
                    f"host; {largest}"
         needed = self.ranks.reduce_max([needed])[0]  # every DP rank refuses, or none does
         if needed > budget:
             raise AdaptiveBudgetError(
-                f"--memory-budget={budget}: below the minimum feasible; needed {_fmt(needed)}, "
-                f"budget {_fmt(budget)} ({what})")
+                f"--memory-budget={budget}: below the minimum feasible; needed {fmt_bytes(needed, exact=True)}, "
+                f"budget {fmt_bytes(budget, exact=True)} ({what})")
         return needed

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from search import fmt_bytes
+
 __all__ = ["WrapperMemory", "is_laid_out", "warn_untested", "wrapper_memory"]
 
 log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logger]
@@ -44,11 +46,6 @@ class WrapperMemory:
     what: str = ""
     """One phrase naming them with their sizes ("" when none)."""
 
-
-def _fmt(n: int) -> str:
-    from search import fmt_bytes
-
-    return fmt_bytes(n, exact=True)
 
 
 def _fsdp2_largest_block(model: nn.Module, fsdp_module: type) -> int:
@@ -92,8 +89,8 @@ def wrapper_memory(model: nn.Module, *, around: bool = False) -> WrapperMemory:
     ddps = _ddp_around(model, DistributedDataParallel) if around else \
         [m for m in model.modules() if isinstance(m, DistributedDataParallel)]
     buckets = sum(_ddp_buckets(m) for m in ddps)
-    parts = [f"FSDP2 gathered largest block {_fmt(gathered)}"] if gathered else []
-    parts += [f"DDP gradient buckets {_fmt(buckets)}"] if buckets else []
+    parts = [f"FSDP2 gathered largest block {fmt_bytes(gathered, exact=True)}"] if gathered else []
+    parts += [f"DDP gradient buckets {fmt_bytes(buckets, exact=True)}"] if buckets else []
     return WrapperMemory(gathered=gathered, buckets=buckets, what=", ".join(parts))
 
 

@@ -11,18 +11,13 @@ import time
 import torch
 from tqdm import tqdm
 
+from search import parse_bytes
+
 NAME = "run"
 HELP = "train N steps of a model with a plan (or a MindFormers/Megatron config) applied and print the measured " \
        "peak device memory and median step time"
 
 log = logging.getLogger(__name__)
-
-def parse_bytes(text: str, *, flag: str) -> int:
-    """``"2GiB"`` -> 2147483648; plain integers are bytes (:func:`search.parse_bytes`)."""
-    from search import parse_bytes as parse
-
-    return parse(text, key=flag, plain=True)
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="llama-tiny", help="model spec: preset, hf:<family> or module:factory "
@@ -92,7 +87,7 @@ def _check_arguments(args: argparse.Namespace) -> int | None:
         raise ValueError(f"--steps={args.steps}: expected a positive integer")
     if args.plan is not None and args.config is not None:
         raise ValueError("--plan and --config both given: expected one of them")
-    cap = parse_bytes(args.device_memory_cap, flag="--device-memory-cap") if args.device_memory_cap else None
+    cap = parse_bytes(args.device_memory_cap, key="--device-memory-cap", plain=True) if args.device_memory_cap else None
     if args.compile is not None:
         from adaptive_mem.runtime._compile_blocks import compile_options
 
@@ -141,7 +136,7 @@ def _apply(args: argparse.Namespace, bundle, opt, loaded, cap: int | None):
         if args.memory_plan and (args.plan or args.config):
             raise ValueError("--memory-plan with --plan/--config: expected one of them")
         if args.memory_budget and cap is None and bundle.device.type == "cpu":
-            cap = parse_bytes(args.memory_budget, flag="--memory-budget")  # the budget is the CPU device's size
+            cap = parse_bytes(args.memory_budget, key="--memory-budget", plain=True)  # the budget is the CPU device's size
         return apply_arguments(model, args, optimizer=opt, global_batch=bundle.batch_size), cap
     if args.plan is not None or args.config is not None:
         plan = args.plan

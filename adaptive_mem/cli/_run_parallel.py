@@ -157,7 +157,7 @@ def _train(rank: int, world: int, args: argparse.Namespace) -> int:
     opt = torch.optim.Adam(params, lr=args.lr) if args.optimizer == "adam" else torch.optim.SGD(params, lr=args.lr)
     handle = _apply(pm, args, opt, bundle.batch_size)
     cap = args.device_memory_cap or args.memory_budget
-    mem = DeviceMemory(cap=parse_bytes(cap, key="--device-memory-cap") if cap else None, track_existing=False)
+    mem = DeviceMemory(cap=parse_bytes(cap, key="--device-memory-cap", plain=True) if cap else None, track_existing=False)
     times: list[float] = []
     losses: list[float] = []
     try:
