@@ -26,7 +26,7 @@ def _plan(decisions: dict) -> Plan:
 def test_structure_holds_what_each_discovery_finds():
     model = _tiny()
     structure = ModelStructure.of(model)
-    assert "ModelStructure" in profiler.__all__
+    assert "ModelStructure" in profiler.naming.__all__
     assert structure.layers == find_layers(model)
     assert structure.layer_paths == [f"layers.{i}" for i in range(structure.layers.count)]
     assert structure.fingerprint == structure_fingerprint(model)
