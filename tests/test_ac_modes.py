@@ -43,7 +43,7 @@ def _deterministic():
 
 
 def _build(spec: str):
-    return build_model(spec, model_args=MODELS[spec], batch_size=BATCH, seq_len=SEQ, seed=0)
+    return build_model(spec, model_args=MODELS.get(spec, {}), batch_size=BATCH, seq_len=SEQ, seed=0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,9 +146,7 @@ def test_every_mode_simulates(spec):
     assert full.step_time > op.step_time  # op SAC replays less than the whole layer
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("spec", list(MODELS))
-def test_every_mode_runs_exact(spec, mode):
+def _run_exact(spec: str, mode: str) -> None:
     bundle, batch, (loss, grads) = _reference(spec)
     with optimize(bundle.model, plan=ac_plan(mode, _profile(spec)), profile=_profile(spec)) as handle:
         assert handle.summary().takes_effect == (mode != "none"), handle.summary()
@@ -157,6 +155,24 @@ def test_every_mode_runs_exact(spec, mode):
     assert got.keys() == grads.keys()
     for key, grad in grads.items():
         assert torch.equal(got[key], grad), f"{spec} {mode}: grad of {key} differs"
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("spec", list(MODELS))
+def test_every_mode_runs_exact(spec, mode):
+    _run_exact(spec, mode)
+
+
+def test_layers_of_two_kinds():
+    """LFM2 mixes conv layers (0, 2) and an attention layer (1): from the profile the Megatron core attention is
+    that of layer 1 alone, as the flags decide on the model, and the per-op modes run exact."""
+    spec = "hf:lfm2"
+    model = _reference(spec)[0].model
+    selective = ac_plan("megatron-selective", _profile(spec))
+    assert _decided(selective) == {"model.layers.1.self_attn.flash_attention": "recompute"}
+    assert selective.decisions == plan_from_config(["--recompute-granularity", "selective"], model=model).decisions
+    for mode in ("megatron-selective", "op"):
+        _run_exact(spec, mode)
 
 
 @pytest.mark.parametrize("mode", ["layer:0", "layer:N", "layer:-1", "layer:two", "layer", "Full", "selective", "",
