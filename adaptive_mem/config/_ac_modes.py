@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from typing import Callable
 
 from profiler import Profile
 from profiler.naming import LayerKinds
@@ -32,7 +33,7 @@ from ._errors import ConfigError, fmt
 from ._megatron import plan_from_megatron
 from ._names import LayerNames
 
-__all__ = ["AC_MODES", "ac_plan", "titan_layer_policy", "titan_op_policy"]
+__all__ = ["AC_MODES", "ac_plan", "profile_names", "titan_layer_policy", "titan_op_policy", "whole_layer_policy"]
 
 AC_MODES = ("none", "full", "op", "layer:N", "megatron-selective", "megatron-full", "hf")
 """The mode names ``ac_plan`` takes; ``layer:N`` with N an integer >= 1."""
@@ -112,7 +113,7 @@ def _describe(profile: Profile) -> tuple[str | None, dict]:
     return profile.model.get("fingerprint"), info
 
 
-def _layer_plan(profile: Profile, policy) -> Plan:
+def _layer_plan(profile: Profile, policy: Callable[[int], Action]) -> Plan:
     """``layers.i: recompute`` for each layer ``policy(i)`` decides so."""
     return Plan(decisions={profile.layer_path(i): Decision(Action.RECOMPUTE) for i in range(profile.num_layers)
                            if policy(i) is Action.RECOMPUTE})
