@@ -4,7 +4,7 @@ from ._version import __version__
 
 from ._model_spec import ModelBundle, ModelSpecError, build_model
 from ._flags import add_arguments, add_memory_arguments, apply_arguments
-from .config import ConfigError, plan_from_config, plan_to_megatron, plan_to_mindformers
+from .config import AC_MODES, ConfigError, ac_plan, plan_from_config, plan_to_megatron, plan_to_mindformers
 from adaptive_mem.runtime._accounting import DeviceMemory
 from adaptive_mem.runtime._summary import PlanSummary
 from adaptive_mem.runtime._functions import adapt_mem_func_wrapper, wrap_function
@@ -21,7 +21,7 @@ from ._search import SearchResult, StageResult, search
 from ._throughput import ThroughputSearchResult, maximize_throughput
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
-           "add_arguments", "ConfigError", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
+           "add_arguments", "AC_MODES", "ConfigError", "ac_plan", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
            "DeviceMemory", "OptimizeArgumentError", "OptimizeHandle", "PlanSummary", "optimize",
            "add_memory_arguments", "apply_arguments", "SwapManager", "SwapExhaustedError", "OomHook", "RetryOnOom",
            "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate",

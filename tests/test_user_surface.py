@@ -75,10 +75,10 @@ SCRIPT_FLAGS = {"--adaptive-memory-optimization", "--memory-budget", "--memory-p
 
 PUBLIC = {
     "adaptive_mem": {
-        "__version__", "AdaptiveBudgetError", "AdaptiveMemory", "ConfigError", "DeviceMemory", "ModelBundle",
+        "__version__", "AC_MODES", "AdaptiveBudgetError", "AdaptiveMemory", "ConfigError", "DeviceMemory", "ModelBundle",
         "ModelSpecError", "OomHook", "OptimizeArgumentError", "OptimizeHandle", "Plan", "PlanCache", "PlanSummary",
         "Profile", "RetryOnOom", "SearchResult", "StageResult", "SwapExhaustedError", "SwapManager",
-        "ThroughputSearchResult", "adapt_mem_func_wrapper", "adaptive_optimize", "add_arguments",
+        "ThroughputSearchResult", "ac_plan", "adapt_mem_func_wrapper", "adaptive_optimize", "add_arguments",
         "add_memory_arguments", "apply_arguments", "build_model", "calibrate", "maximize_throughput", "optimize",
         "plan_from_config", "plan_to_megatron", "plan_to_mindformers", "profile_step", "search", "simulate",
         "wrap_function"},

@@ -1,4 +1,5 @@
-"""Config front-ends: MindFormers ``recompute_config`` / ``swap_config`` YAML and Megatron recompute flags.
+"""Config front-ends: MindFormers ``recompute_config`` / ``swap_config`` YAML, Megatron recompute flags and the
+AC modes of torchtitan, Megatron and Hugging Face (``ac_plan``).
 
 ``plan_from_config`` turns what users already have into a :class:`search.Plan`
 and logs the seeds' lines (``Formative ...``, ``Set ... at layer N``);
@@ -17,6 +18,7 @@ from torch import nn
 from search import PLAN_FORMAT, Plan
 from search.planning import load_document
 
+from ._ac_modes import AC_MODES, ac_plan
 from ._errors import ConfigError, fmt
 from ._export import plan_to_megatron, plan_to_mindformers
 from ._export_stages import plan_to_megatron_stages, plan_to_mindformers_stages
@@ -24,8 +26,8 @@ from ._megatron import plan_from_megatron
 from ._mindformers import plan_from_mindformers
 from ._names import layer_names
 
-__all__ = ["ConfigError", "load_config", "plan_from_config", "plan_to_megatron", "plan_to_megatron_stages",
-           "plan_to_mindformers", "plan_to_mindformers_stages"]
+__all__ = ["AC_MODES", "ConfigError", "ac_plan", "load_config", "plan_from_config", "plan_to_megatron",
+           "plan_to_megatron_stages", "plan_to_mindformers", "plan_to_mindformers_stages"]
 
 _FORMS = ("a path to a MindFormers YAML, a dict (the YAML's contents), an argparse.Namespace with Megatron "
           "recompute flags, or a list of those flags")
