@@ -7,14 +7,15 @@ import logging
 import torch
 from torch import nn
 
-from ._precision import Precision
 from ._paths import module_path
+from ._precision import Precision
 from ._profile import OpRecord, StaticMemory
 from ._recorder import local_shard
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPTIMIZERS", "allocated_optimizer_state", "gradient_split", "held_beyond_model", "static_memory", "unique_bytes"]
+__all__ = ["OPTIMIZERS", "allocated_optimizer_state", "gradient_split", "held_beyond_model", "static_memory",
+           "unique_bytes"]
 
 # Bytes of optimizer state per trainable parameter element, for optimizers named by string.
 # Adam/AdamW: two fp32 moments (mixed-precision practice: fp32 state whatever the parameter dtype).
