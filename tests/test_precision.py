@@ -60,7 +60,7 @@ def _rank(name: str, zero: int):
     return profiler.shard_profile(whole, layout=Layout(data_parallel=8, zero=zero), split=split, interconnect=450e9)
 
 
-@pytest.mark.parametrize("name", ["fp32", "amp-bf16", "megatron-bf16"])
+@pytest.mark.parametrize("name", ["fp32", "bf16", "amp-bf16", "megatron-bf16"])
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_stages_over_eight_ranks(name, zero):
     p, g, m, s = BYTES[name]
