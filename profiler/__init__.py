@@ -9,9 +9,11 @@ from ._compiled import CompileBackendError
 from ._step import profile_compiled, profile_step
 from ._layout import SCHEDULES, Layout, LayoutError
 from ._shard import shard_profile
+from ._precision import PRECISIONS, Precision, PrecisionError
 from ._summary import format_summary
 
 __all__ = ["CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout", "LayoutError",
-           "OPTIMIZERS", "OpRecord", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileError", "SCHEDULES",
-           "StaticMemory", "UnitRecord", "format_summary", "hardware_spec", "machinery_scope", "measure_cpu",
-           "measure_device", "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile"]
+           "OPTIMIZERS", "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision", "PrecisionError",
+           "Profile", "ProfileError", "SCHEDULES", "StaticMemory", "UnitRecord", "format_summary", "hardware_spec",
+           "machinery_scope", "measure_cpu", "measure_device", "measure_disk", "measure_link", "profile_compiled",
+           "profile_step", "shard_profile"]

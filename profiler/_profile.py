@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ._compiled import check_compiled
+from ._precision import PRECISIONS
 from ._profile_fields import ProfileError, build_record, check_field, is_type, field_list, short, unique_keys
 from ._units import LayerInfo
 
@@ -76,10 +77,13 @@ class StaticMemory:
     """Bytes the device held beside the step's tensors at most: a parallel wrapper's own buffers (DDP's gradient
     buckets, FSDP2's gathered block and its collective buffers), other tensors of the program; measured during
     the recorded step (``profiler._other_memory``, Note: [other device memory]); held for the whole step."""
+    master: int = 0
+    """Bytes of fp32 master weights kept beside lower-precision parameters (a precision recipe's, e.g.
+    ``megatron-bf16``; ``profiler.PRECISIONS``); 0, and not written, without them."""
 
     @property
     def total(self) -> int:
-        return self.parameters + self.buffers + self.gradients + self.optimizer_state + self.other
+        return self.parameters + self.buffers + self.gradients + self.master + self.optimizer_state + self.other
 
 
 @dataclass(frozen=True)
@@ -218,6 +222,8 @@ class Profile:
             del data["compiled"]
         for key in [k for k in ("gradient_split", "gradient_largest") if not data[k]]:
             del data[key]
+        if not data["static"]["master"]:
+            del data["static"]["master"]  # no master weights: the form older readers know
         return {"format": PROFILE_FORMAT, **data}
 
     def save(self, path: str | Path) -> None:
@@ -245,6 +251,9 @@ class Profile:
             value = profile.model.get(key)
             if value is not None and not isinstance(value, str):
                 raise ProfileError(f"profile.model.{key}={short(value)}: expected a string or null")
+        if profile.model.get("precision") is not None and profile.model["precision"] not in PRECISIONS:
+            raise ProfileError(f"profile.model.precision={short(profile.model['precision'])}: expected one of "
+                               f"{', '.join(PRECISIONS)} or no key")
         if profile.model.get("parameters") is not None:
             check_field("profile.model.parameters", profile.model["parameters"], "int")
         _check_stacks(profile)

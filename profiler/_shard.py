@@ -16,10 +16,11 @@ timed on the interconnect at ``2 (t - 1) / t * bytes / bandwidth`` in forward an
 all-reduce is not modelled (one per step).
 
 Static memory per rank (``rank_static``): the bytes of TP-shardable modules (linears, embeddings)
-divided by TP; under ZeRO-1/2/3 over DP the optimizer state, then the gradients, then the parameters
-divided by DP; under ZeRO-3 the unsharded parameters of the layer in flight (its other DP shards,
-gathered for its forward and backward) are held beside them: recorded in ``buffers``, which pipeline
-stage splits do not scale.
+divided by TP; under ZeRO-1/2/3 over DP the optimizer state and master weights, then the gradients, then the
+parameters divided by DP (``profiler._precision.SHARDED_FROM``; a precision recipe may raise the stage:
+``megatron-bf16``'s distributed optimizer is ZeRO-1, ``fsdp2-bf16`` ZeRO-3); under ZeRO-3 the unsharded
+parameters of the layer in flight (gathered for its forward and backward, Note: [gathered copy]) are held
+beside them: recorded in ``buffers``, which pipeline stage splits do not scale.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from torch import nn
 
 from ._layout import Layout
 from ._paths import named_modules
+from ._precision import PRECISIONS, SHARDED_FROM, Precision, precision_layout
 from ._profile import OpRecord, Profile, StaticMemory, UnitRecord
 from ._units import LayerInfo
 
@@ -102,24 +104,32 @@ def tp_roles(profile: Profile, linears: frozenset[str]) -> dict[str, str]:
     return roles
 
 
-def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit) -> StaticMemory:
-    """One rank's parameters, gradients and optimizer state (before the pipeline split by stage)."""
+def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit,
+                precision: Precision | None = None) -> StaticMemory:
+    """One rank's parameters, gradients, master weights and optimizer state (before the pipeline split by stage):
+    each figure divided by DP from its ZeRO stage on (``SHARDED_FROM``)."""
     t, d, z = layout.tensor_parallel, layout.data_parallel, layout.zero
     scale = (split.shardable / t + split.total - split.shardable) / split.total if split.total else 1.0
-    params, grads, state = static.parameters * scale, static.gradients * scale, static.optimizer_state * scale
-    state /= d if z >= 1 else 1
-    grads /= d if z >= 2 else 1
+    figures = {key: getattr(static, key) * scale / (d if z >= stage else 1) for key, stage in SHARDED_FROM.items()}
     gathered = 0
     if z >= 3:
-        params /= d
-        gathered = int(split.layer * (d - 1) / d)
-    return replace(static, parameters=int(params), gradients=int(grads), optimizer_state=int(state),
-                   buffers=static.buffers + gathered)
+        gathered = int(split.layer if _gathered_whole(precision) else split.layer * (d - 1) / d)
+    return replace(static, **{key: int(value) for key, value in figures.items()}, buffers=static.buffers + gathered)
+
+
+def _gathered_whole(precision: Precision | None) -> bool:
+    """Note: [gathered copy] ZeRO-3 gathers the layer in flight in the dtype the forward reads parameters in
+    (``Precision.model_dtype``). Gathered in the stored dtype, its other DP shards join the rank's own (``(d - 1) /
+    d`` of the layer's bytes); a recipe that stores parameters wider (``fsdp2-bf16``: fp32 shards, bf16 gathered)
+    casts into a whole new copy beside the shard: the layer's bytes in the model dtype, which
+    ``ParameterSplit.layer`` counts on a model built in it."""
+    return precision is not None and precision.parameters != precision.model_dtype.itemsize
 
 
 def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float) -> Profile:
     """The profile of one rank under ``layout`` (its pipeline stage is cut later, by the search), with the
-    layout recorded in ``model.layout``."""
+    layout recorded in ``model.layout``: at least the ZeRO stage of the profile's precision recipe."""
+    layout = precision_layout(layout, PRECISIONS.get(profile.model.get("precision", "")))
     t = layout.tensor_parallel
     roles = tp_roles(profile, split.linears) if t > 1 else {}
     factors = _shard_factors(profile, layout, roles)
@@ -187,7 +197,8 @@ def _rank_profile(profile: Profile, ops: list[OpRecord], units: list[UnitRecord]
                   split: ParameterSplit, interconnect: float) -> Profile:
     """``profile`` with one rank's ``ops`` and ``units``, and its static memory, peak, step and optimizer time."""
     t = layout.tensor_parallel
-    static = rank_static(profile.static, layout=layout, split=split)
+    static = rank_static(profile.static, layout=layout, split=split,
+                         precision=PRECISIONS.get(profile.model.get("precision", "")))
     act_old = sum(u.saved_bytes for u in profile.units)
     boundary = max(0, profile.peak_memory - (profile.static.total - profile.static.gradients)
                    - profile.saved_input_bytes - act_old)

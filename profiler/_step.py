@@ -6,7 +6,7 @@ import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -17,10 +17,10 @@ from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
 from ._other_memory import AcceleratorMeter, MemoryMeter, measured_memory, read
-from ._paths import module_path
+from ._precision import Precision, PrecisionError, autocast_loss, check_model_dtype, precision_of
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
-from ._recorder import OpEvent, Recorder, local_shard
-from ._static import allocated_optimizer_state, static_memory
+from ._recorder import OpEvent, Recorder
+from ._static import allocated_optimizer_state, gradient_split, held_beyond_model, static_memory
 from ._timing import timed
 
 __all__ = ["StepTarget", "profile_compiled", "profile_step"]
@@ -120,6 +120,7 @@ def profile_step(
     optimizer_time: float | None = None,
     compile: str | None = None,
     meter: MemoryMeter | None = None,
+    precision: str | Precision | None = None,
 ) -> Profile:
     """Profile one training step (forward + backward) of ``target``.
 
@@ -141,6 +142,7 @@ def profile_step(
     holds beside the step's tensors is measured with it (``static.other``: Note: [other device memory]) and
     ``peak_memory`` is at least its peak; without one, ``other`` is what a parallel wrapper's own ops allocate
     (Note: [wrapper ops]) and the peak the recorder's count.
+    ``precision``: a recipe of ``profiler.PRECISIONS`` (its static bytes, its autocast); None: the tensors' dtypes.
     """
     if compile is not None:
         check_backend(compile)
@@ -151,8 +153,9 @@ def profile_step(
     fake = step.fake_mode is not None
     device = _device(model, fake)
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    step, recipe = _with_recipe(step, precision_of(precision), dtype, compile)
     hw = _resolve_hardware(hardware, device, dtype)
-    static = static_memory(model, optimizer=optimizer)
+    static = static_memory(model, optimizer=optimizer, precision=recipe)
     start = time.perf_counter()
     recorder, step_time = _record_restoring(step, device, hw, fake, warmup, repeat, 1 if fake else record, meter)
     present = allocated_optimizer_state(optimizer) if recorder.other.meter is not None else 0
@@ -164,6 +167,20 @@ def profile_step(
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
+
+
+def _with_recipe(step: StepTarget, recipe: Precision | None, dtype: torch.dtype,
+                 compile: str | None) -> tuple[StepTarget, Precision | None]:
+    """``step`` run the recipe's way (its loss under the recipe's autocast, the recipe named in ``Profile.model``)."""
+    if recipe is None:
+        return step, None
+    check_model_dtype(recipe, dtype)
+    if recipe.autocast and compile is not None:
+        raise PrecisionError(f"precision={recipe.name!r} with compile={compile!r}: expected no compile (compiled "
+                             "blocks are measured without the recipe's autocast)")
+    device_type = next(step.model.parameters()).device.type
+    return replace(step, loss=autocast_loss(step.loss, recipe, device_type),
+                   info={**(step.info or {}), "precision": recipe.name}), recipe
 
 
 def _record_restoring(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool, warmup: int, repeat: int,
@@ -297,44 +314,12 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         model=info, device=device.type, measured=not fake, hardware=hw,
         layer_container=layers.container if layers else None, num_layers=layers.count if layers else 0,
         static=static, ops=ops, units=units, saved_input_bytes=recorder.saved_input_bytes,
-        peak_memory=int(peak + static.optimizer_state), step_time=float(step_time),
+        peak_memory=int(peak + held_beyond_model(static, step.model)), step_time=float(step_time),
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],
         gradient_split=split, gradient_largest=largest,
     )
-
-
-def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tuple[list[int], list[int]]:
-    """``Profile.gradient_split`` and ``gradient_largest``: each trainable parameter's bytes at the position of the
-    last forward op of a module using it (its own module, else the nearest enclosing module that ran ops)."""
-    last: dict[str, int] = {}
-    seen_layer = False
-    for op in ops:
-        if op.layer is not None:
-            pos, seen_layer = op.layer + 1, True
-        else:
-            pos = num_layers + 1 if seen_layer else 0
-        last[op.module] = max(last.get(op.module, 0), pos)
-    where: dict[int, tuple[int, int]] = {}  # storage -> (position, bytes)
-    for name, param in model.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
-            continue
-        path = module_path(name.rpartition(".")[0])  # Note: [compile wrapper names]
-        while path not in last and path:
-            path = path.rpartition(".")[0]
-        pos = last.get(path)
-        if pos is None:
-            continue
-        st = local_shard(param).untyped_storage()
-        key = st._cdata
-        where[key] = (max(pos, where[key][0]) if key in where else pos, st.nbytes())
-    split = [0] * (num_layers + 2)
-    largest = [0] * (num_layers + 2)
-    for pos, nbytes in where.values():
-        split[pos] += nbytes
-        largest[pos] = max(largest[pos], nbytes)
-    return split, largest
 
 
 def _op_record(event: OpEvent, namer) -> OpRecord:

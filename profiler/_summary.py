@@ -45,7 +45,9 @@ def format_summary(profile: Profile, *, top: int = 10) -> str:
     lines += [
         f"static: parameters {static.parameters / MiB:.1f} MiB, buffers {static.buffers / MiB:.1f} MiB, "
         f"gradients {static.gradients / MiB:.1f} MiB, optimizer state ({static.optimizer}) "
-        f"{static.optimizer_state / MiB:.1f} MiB",
+        f"{static.optimizer_state / MiB:.1f} MiB"
+        + (f", master weights {static.master / MiB:.1f} MiB" if static.master else "")
+        + (f" ({profile.model['precision']})" if profile.model.get("precision") else ""),
         f"peak memory {profile.peak_memory / MiB:.1f} MiB; step time {_ms(profile.step_time)} ms "
         f"+ optimizer step {_ms(profile.optimizer_time)} ms; "
         f"link h2d {hw.h2d_bandwidth / 1e9:.1f} GB/s, d2h {hw.d2h_bandwidth / 1e9:.1f} GB/s ({profile.link_source})",

@@ -147,6 +147,8 @@ def minimum_budget(model: StepModel, *, in_flight: int = 1) -> tuple[int, str]:
     static = model.profile.static
     parts = [("optimizer state", static.optimizer_state), ("parameters", static.parameters),
              ("gradients", static.gradients), ("activations left on the device", peak - static.total)]
+    if static.master:
+        parts.append(("master weights", static.master))
     if static.other:  # Note: [other device memory]
         parts.append(("beside the step on the device (a parallel wrapper's buffers, other tensors)", static.other))
     parts.sort(key=lambda kv: -kv[1])

@@ -124,7 +124,7 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
         share = (sum(split[q + 1] for q in layers) + (split[0] if first else 0) + (split[-1] if last else 0)) / sum(split)
     st = profile.static
     static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
-                     optimizer_state=int(st.optimizer_state * share))
+                     master=int(st.master * share), optimizer_state=int(st.optimizer_state * share))
     saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if first else 0)
     boundary = whole.boundary if last else 0
     # the base StepModel.build derives for ``gradients``: the boundary it takes from peak_memory stays whole.boundary

@@ -18,7 +18,7 @@ COMMON = {"--debug", "--log-level", "-h", "--help"}
 # subcommand -> its flags (option strings, without the common ones); positionals as "<name>".
 EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
-                "--optimizer", "-o", "--output", "--calibrate", "--compile", "--top",
+                "--optimizer", "--precision", "-o", "--output", "--calibrate", "--compile", "--top",
                 "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
                 "--micro-batches", "--sequence-parallel", "--zero", "--schedule"},
     "demo": {"--out", "--model", "--compile-backend", "--throughput"},
@@ -84,7 +84,8 @@ PUBLIC = {
         "wrap_function"},
     "profiler": {
         "CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout", "LayoutError", "OPTIMIZERS",
-        "OpRecord", "PROFILE_FORMAT", "PROFILE_VERSION", "Profile", "ProfileError", "SCHEDULES", "StaticMemory",
+        "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision", "PrecisionError", "Profile",
+        "ProfileError", "SCHEDULES", "StaticMemory",
         "UnitRecord", "format_summary", "hardware_spec", "machinery_scope", "measure_cpu", "measure_device",
         "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile"},
     "search": {

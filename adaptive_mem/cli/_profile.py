@@ -7,11 +7,12 @@ import logging
 from pathlib import Path
 
 import profiler
+import torch
 from profiler.tracing import parameter_split
 from search import fmt_bytes
 from search.planning import device_shortfall
 
-from adaptive_mem._model_spec import FORMS, build_model
+from adaptive_mem._model_spec import DTYPES, FORMS, build_model
 from adaptive_mem.config._layout import positive_int
 
 NAME = "profile"
@@ -42,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--optimizer", default="adam", metavar="OPT",
                         help=f"optimizer whose state counts as static memory: {', '.join(profiler.OPTIMIZERS)} "
                              "(default adam)")
+    parser.add_argument("--precision", default=None, metavar="R",
+                        help=f"precision recipe: {', '.join(profiler.PRECISIONS)}: static memory in its bytes per "
+                             "parameter (master weights, optimizer state dtype, what ZeRO/FSDP shard), the model in "
+                             "its dtype and the forward under its autocast (default: the --dtype tensors as they are)")
     parser.add_argument("-o", "--output", default=None, metavar="FILE", help="write the Profile JSON here")
     parser.add_argument("--calibrate", action="store_true",
                         help="also measure the compute that swaps and op-level recompute cost on this device "
@@ -59,10 +64,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_from_args(args: argparse.Namespace):
+    recipe = precision_arg(getattr(args, "precision", None), args.dtype)
     return build_model(
         args.model, model_args=args.model_args, batch_size=positive_int("--batch-size", args.batch_size),
-        seq_len=positive_int("--seq-len", args.seq_len), dtype=args.dtype, device=args.device,
+        seq_len=positive_int("--seq-len", args.seq_len), device=args.device,
+        dtype=args.dtype if recipe is None else recipe.model_dtype,
     )
+
+
+def precision_arg(name: str | None, dtype: str) -> profiler.Precision | None:
+    """The recipe ``--precision`` names (None without one); ``--dtype`` other than its model dtype is refused."""
+    if name is None:
+        return None
+    recipe = profiler.PRECISIONS.get(name.lower())
+    if recipe is None:
+        raise profiler.PrecisionError(f"--precision={name!r}: expected one of {', '.join(profiler.PRECISIONS)}")
+    wanted = str(recipe.model_dtype).removeprefix("torch.")
+    if DTYPES.get(str(dtype).lower()) not in (torch.float32, recipe.model_dtype):  # --dtype's default: the recipe's
+        raise profiler.PrecisionError(f"--dtype={dtype!r} with --precision={recipe.name}: expected --dtype {wanted} "
+                                      "or no --dtype (the recipe sets the parameters' dtype)")
+    return recipe
 
 
 def check_hardware(name: str | None, device: str) -> None:
@@ -104,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--calibrate with --device {args.device}: expected a real device (fake tensors "
                          "have no copies to time)")
     result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower(),
-                                   compile=args.compile)
+                                   compile=args.compile, precision=args.precision)
     if args.calibrate:
         from adaptive_mem.adaptive._calibrate import calibrate
 
