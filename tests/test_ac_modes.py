@@ -15,6 +15,7 @@ from adaptive_mem.config._ac_modes import titan_layer_policy, titan_op_policy
 from search import Action, simulate
 
 from _profiles import synthetic_profile
+from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
 
 BATCH, SEQ = 2, 32
 MODELS = {"llama-tiny": {}, "hf:qwen2": {"num_hidden_layers": 3}}
@@ -34,12 +35,7 @@ OP_RECOMPUTED = {
 CORE = {"llama-tiny": "attention.flash_attention", "hf:qwen2": "self_attn.flash_attention"}
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _build(spec: str):

@@ -14,6 +14,7 @@ import torch
 
 from adaptive_mem import build_model, optimize
 from search import Plan
+from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
 
 MODELS = {
     "llama-tiny": {},
@@ -23,14 +24,7 @@ MODELS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    # The plain hf:mixtral step is not bit-reproducible on CPU without this (parallel index_add in the
-    # experts' backward): the comparison needs a reference that agrees with itself.
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _plan(decisions: dict, groups: list | None = None) -> Plan:

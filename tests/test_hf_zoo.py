@@ -21,6 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from adaptive_mem import ConfigError, build_model, optimize
 from search import PlanError
+from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
 
 BATCH, SEQ = 2, 32
 
@@ -60,12 +61,7 @@ def _configs(family: str) -> dict[str, dict]:
 PLANS = (*_configs("llama"), "milp-half")
 CASES = [pytest.param(f, p, id=f"{f}-{p}") for f in KEYS for p in PLANS]
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _build(family: str):

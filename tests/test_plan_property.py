@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 import profiler
 from adaptive_mem import build_model, optimize
 from search import Plan
+from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
 
 FAMILIES = ("llama", "gpt2", "opt")
 BATCH, SEQ = 2, 8
@@ -49,12 +50,7 @@ decisions = st.tuples(st.tuples(st.integers(0, 10_000), st.sampled_from(("recomp
                       st.lists(_one, max_size=23)).map(lambda d: [d[0], *d[1]])  # never an all-keep plan
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    previous = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(previous)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
