@@ -1,0 +1,212 @@
+"""``adaptive_mem.estimate``: will a training run fit on N GPUs, and how fast will it go, from a laptop.
+
+``adaptive-mem estimate`` is this function plus argument parsing and printing. The model is built on fake
+tensors (``device="meta"``) in the precision recipe's dtype and profiled for the named hardware
+(``profiler.profile_step``), cut to one rank's share of the parallel layout (``profiler.shard_profile``), its
+activation-checkpointing mode turned into a plan (``ac_plan``; ``ours``: :func:`adaptive_mem.search` under the
+device's memory) and the plan simulated per pipeline stage as :func:`adaptive_mem.search` does. Throughput is
+tokens per GPU per second; MFU is model FLOPs (:func:`model_flops_per_token`) over the hardware's peak
+half-precision FLOPs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import profiler
+from profiler import Layout, Profile
+from profiler.tracing import parameter_split
+from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats
+from search.planning import resolve, simulate_assignment
+
+from ._model_spec import build_model
+from ._search import _stages, rank_figures, search
+from .config import AC_MODES, ac_plan
+from .config._layout import layout_from_given
+
+__all__ = ["ESTIMATE_AC_MODES", "EstimateError", "EstimateResult", "estimate", "model_flops_per_token",
+           "reserved_bytes"]
+
+ESTIMATE_AC_MODES = (*AC_MODES, "ours")
+"""The ``ac=`` values: the AC modes of ``ac_plan`` and ``ours`` (the fastest plan under the device's memory)."""
+
+
+class EstimateError(ValueError):
+    """An estimate's arguments that do not fit together (GPUs against the layout, hardware, AC mode)."""
+
+
+@dataclass(frozen=True)
+class EstimateResult:
+    """One rank's predicted memory and the run's predicted speed."""
+
+    fits: bool
+    """The reserved peak is at most the device's memory."""
+    peak_allocated_bytes: int
+    """Predicted peak bytes allocated on the busiest rank (static memory included)."""
+    peak_reserved_bytes: int
+    """The same as the caching allocator reserves it (:func:`reserved_bytes`)."""
+    step_time_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+    """Model FLOPs utilisation, a fraction of the hardware's peak half-precision FLOPs."""
+    headroom_bytes: int
+    """Device memory minus the reserved peak: negative by as much as the run misses."""
+    device_memory_bytes: int
+    hardware: str
+    gpus: int
+    precision: str
+    ac: str
+    layout: Layout
+    plan: Plan | None = field(default=None, repr=False)
+    """The plan simulated (for ``ac="ours"`` the one searched; None when no plan fits)."""
+    note: str | None = None
+    """Why ``ours`` found no plan under the device's memory (its figures are then full recompute's)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The figures as one JSON object (``adaptive-mem estimate --json``)."""
+        out = {k: getattr(self, k) for k in ("fits", "peak_allocated_bytes", "peak_reserved_bytes", "step_time_s",
+                                             "tokens_per_s_per_gpu", "mfu", "headroom_bytes", "device_memory_bytes",
+                                             "hardware", "gpus", "precision", "ac")}
+        out["layout"] = self.layout.to_dict()
+        if self.ac == "ours":
+            out["plan"] = self.plan.to_dict() if self.plan is not None else None
+        if self.note:
+            out["note"] = self.note
+        return out
+
+
+def reserved_bytes(allocated: int) -> int:
+    """Note: [reserved from allocated] the bytes the CUDA caching allocator holds for ``allocated`` live bytes:
+    the one place an allocator reserve model turns the allocated peak into the reserved one. Without one the two
+    are equal."""
+    return int(allocated)
+
+
+def model_flops_per_token(*, parameters: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+    """Model FLOPs per trained token, forward and backward, recompute not counted: ``6 N + 12 L h s`` (the
+    matmuls of ``N`` parameters, three times two FLOPs per multiply-add, and the attention scores and their
+    weighted sum of ``L`` layers of width ``h`` over ``s`` positions; Narayanan et al. 2021, appendix)."""
+    return 6.0 * parameters + 12.0 * num_layers * hidden_size * seq_len
+
+
+def _positive(key: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or not str(value).isdigit() or int(value) < 1:
+        raise EstimateError(f"{key}={value!r}: expected an integer >= 1")
+    return int(value)
+
+
+def _check_ac(ac: Any) -> str:
+    if isinstance(ac, str) and (ac in ESTIMATE_AC_MODES and ac != "layer:N" or re.fullmatch(r"layer:[1-9]\d*", ac)):
+        return ac
+    raise EstimateError(f"ac={ac!r}: expected one of {', '.join(ESTIMATE_AC_MODES)} (N an integer >= 1)")
+
+
+def _check_hardware(hardware: Any) -> str:
+    name = str(hardware).lower() if isinstance(hardware, str) else None
+    if name not in profiler.HARDWARE:
+        raise EstimateError(f"hardware={hardware!r}: expected one of {', '.join(profiler.HARDWARE)}")
+    return name
+
+
+def _layout(gpus: Any, given: dict[str, Any]) -> tuple[int, Layout]:
+    """``gpus`` and the layout, data parallel filled in from ``gpus`` when not given (Note: [GPUs per layout])."""
+    n = _positive("gpus", gpus)
+    if n is None:
+        raise EstimateError("gpus=None: expected an integer >= 1")
+    lay = layout_from_given(given)
+    # Note: [GPUs per layout] a run's GPUs are tensor parallel x pipeline stages x data parallel; the data-parallel
+    # degree is what is left of the GPUs when it is not named.
+    replica = lay.tensor_parallel * lay.pipeline_stages
+    if given.get("data_parallel") is None:
+        if n % replica:
+            raise EstimateError(f"gpus={n}: not a multiple of tensor_parallel x pipeline_stages = {replica}; "
+                                "expected a multiple")
+        lay = replace(lay, data_parallel=n // replica)
+    elif replica * lay.data_parallel != n:
+        raise EstimateError(f"gpus={n}: tensor_parallel x pipeline_stages x data_parallel = {lay.tensor_parallel} x "
+                            f"{lay.pipeline_stages} x {lay.data_parallel} = {replica * lay.data_parallel}; "
+                            "expected them equal")
+    return n, lay
+
+
+def _rank_profile(profile: Profile, bundle: Any, layout: Layout, hardware: str) -> Profile:
+    """One rank's share of the profiled step (as ``adaptive-mem profile`` cuts it)."""
+    if layout == Layout():
+        return profile
+    split = parameter_split(bundle.model, profile.layer_info(), tensor_parallel=layout.tensor_parallel)
+    link = profiler.HARDWARE[hardware].interconnect_bandwidth
+    return profiler.shard_profile(profile, layout=layout, split=split, interconnect=link)
+
+
+def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]:
+    """Peak bytes of the busiest rank and the step's seconds of ``plan``, stage by stage as :func:`search`
+    figures its own plans."""
+    stages = _stages(profile, layout, None)
+    results = []
+    for st in stages:
+        asg = resolve(st.model, plan)
+        sim = simulate_assignment(st.model, asg, in_flight=st.in_flight)
+        results.append(SolveResult(solver=str(plan.meta.get("ac_mode")), plan=plan, cost=PredictedCost.of(sim),
+                                   stats=SolverStats(solve_time=0.0), budget=0, assignment=asg))
+    if layout == Layout():
+        return results[0].cost.peak_bytes, results[0].cost.step_time
+    ranks, step = rank_figures(plan, stages, results, layout)
+    return max(r["predicted_peak_bytes"] for r in ranks), step
+
+
+def _figures(profile: Profile, ac: str, layout: Layout, solver: str) -> tuple[Plan | None, int, float, str | None]:
+    """(plan, peak bytes, step seconds, note) of the AC mode on one rank's profile."""
+    if ac != "ours":
+        plan = ac_plan(ac, profile)
+        return (plan, *_simulate(profile, plan, layout), None)
+    try:
+        found = search(profile, budget=int(profile.hardware.device_memory), solver=solver)
+    except (InfeasibleBudgetError, DeviceMemoryError) as exc:
+        plan = ac_plan("full", profile)
+        note = f"no plan fits the device's memory ({' '.join(str(exc).split())}); figures of full recompute"
+        return (None, *_simulate(profile, plan, layout), note)
+    return found.plan, found.peak_bytes, found.step_time, None
+
+
+def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: str = "bf16",
+             batch_size: int | None = None, seq_len: int | None = None, ac: str = "none",
+             model_args: dict | str | None = None, tensor_parallel: int | None = None,
+             pipeline_stages: int | None = None, virtual_pipeline_stages: int | None = None,
+             data_parallel: int | None = None, micro_batches: int | None = None,
+             sequence_parallel: bool | None = None, zero: int | None = None, schedule: str | None = None,
+             solver: str = "milp") -> EstimateResult:
+    """Predicted per-rank peak memory, step time, tokens/s per GPU and MFU of training ``model`` (a model spec
+    as :func:`adaptive_mem.build_model` takes it) on ``gpus`` devices of ``hardware`` (``h100``, ``h200``,
+    ``a100``, ``ascend-910b``) under the precision recipe ``precision`` (``profiler.PRECISIONS``) with the AC
+    mode ``ac`` (``ESTIMATE_AC_MODES``). ``batch_size`` is the micro-batch; the layout keys are
+    :func:`adaptive_mem.search`'s, and ``gpus`` must equal their product (data parallel filled in when not
+    given: Note: [GPUs per layout]). Bad arguments raise a ``ValueError`` subclass naming the key."""
+    ac, name = _check_ac(ac), _check_hardware(hardware)
+    recipe = profiler.PRECISIONS.get(precision.lower()) if isinstance(precision, str) else None
+    if recipe is None:
+        raise profiler.PrecisionError(f"precision={precision!r}: expected one of {', '.join(profiler.PRECISIONS)}")
+    given = dict(tensor_parallel=tensor_parallel, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
+                 virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
+                 sequence_parallel=sequence_parallel, zero=zero, schedule=schedule)
+    n, lay = _layout(gpus, {k: v for k, v in given.items() if v is not None})
+    bundle = build_model(model, model_args=model_args, batch_size=_positive("batch_size", batch_size),
+                         seq_len=_positive("seq_len", seq_len), device="meta", dtype=recipe.model_dtype)
+    whole = profiler.profile_step(bundle, hardware=name, optimizer="adam", precision=recipe.name)
+    rank = _rank_profile(whole, bundle, lay, name)
+    lay = Layout.from_dict(rank.model["layout"]) if rank.model.get("layout") else lay
+    plan, allocated, step, note = _figures(rank, ac, lay, solver)
+    tokens = bundle.batch_size * bundle.seq_len * lay.micro_batches  # one data-parallel replica's step
+    per_gpu = tokens / step / (lay.tensor_parallel * lay.pipeline_stages)
+    flops = model_flops_per_token(parameters=int(whole.model.get("parameters") or 0), num_layers=whole.num_layers,
+                                  hidden_size=int(getattr(getattr(bundle.model, "config", None), "hidden_size", 0)),
+                                  seq_len=bundle.seq_len)
+    reserved, capacity = reserved_bytes(allocated), int(rank.hardware.device_memory)
+    return EstimateResult(
+        fits=reserved <= capacity, peak_allocated_bytes=int(allocated), peak_reserved_bytes=reserved,
+        step_time_s=float(step), tokens_per_s_per_gpu=per_gpu, mfu=flops * per_gpu / profiler.HARDWARE[name].half_flops,
+        headroom_bytes=capacity - reserved, device_memory_bytes=capacity, hardware=name, gpus=n,
+        precision=recipe.name, ac=ac, layout=lay, plan=plan, note=note)
