@@ -19,6 +19,7 @@ from profiler import Profile, profile_step
 from search import Plan, simulate
 from ._search import SearchResult, StageResult, search
 from ._throughput import ThroughputSearchResult, maximize_throughput
+from ._estimate import EstimateError, EstimateResult, estimate
 
 __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "add_arguments", "AC_MODES", "ConfigError", "ac_plan", "plan_from_config", "plan_to_megatron", "plan_to_mindformers",
@@ -27,4 +28,5 @@ __all__ = ["__version__", "ModelBundle", "ModelSpecError", "build_model",
            "PlanCache", "AdaptiveBudgetError", "AdaptiveMemory", "adaptive_optimize", "calibrate",
            "wrap_function", "adapt_mem_func_wrapper",
            "Plan", "Profile", "profile_step", "search", "SearchResult", "StageResult", "simulate",
-           "maximize_throughput", "ThroughputSearchResult"]
+           "maximize_throughput", "ThroughputSearchResult",
+           "EstimateError", "EstimateResult", "estimate"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import profiler
+import torch
 from profiler import Layout, Profile
 from profiler.tracing import parameter_split
 from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats
@@ -102,34 +103,35 @@ def _positive(key: str, value: Any) -> int | None:
 def _check_ac(ac: Any) -> str:
     if isinstance(ac, str) and (ac in ESTIMATE_AC_MODES and ac != "layer:N" or re.fullmatch(r"layer:[1-9]\d*", ac)):
         return ac
-    raise EstimateError(f"ac={ac!r}: expected one of {', '.join(ESTIMATE_AC_MODES)} (N an integer >= 1)")
+    raise EstimateError(f"--ac={ac!r}: expected one of {', '.join(ESTIMATE_AC_MODES)} (N an integer >= 1)")
 
 
 def _check_hardware(hardware: Any) -> str:
     name = str(hardware).lower() if isinstance(hardware, str) else None
     if name not in profiler.HARDWARE:
-        raise EstimateError(f"hardware={hardware!r}: expected one of {', '.join(profiler.HARDWARE)}")
+        raise EstimateError(f"--hardware={hardware!r}: expected one of {', '.join(profiler.HARDWARE)}")
     return name
 
 
 def _layout(gpus: Any, given: dict[str, Any]) -> tuple[int, Layout]:
     """``gpus`` and the layout, data parallel filled in from ``gpus`` when not given (Note: [GPUs per layout])."""
-    n = _positive("gpus", gpus)
+    n = _positive("--gpus", gpus)
     if n is None:
-        raise EstimateError("gpus=None: expected an integer >= 1")
-    lay = layout_from_given(given)
+        raise EstimateError("--gpus=None: expected an integer >= 1")
     # Note: [GPUs per layout] a run's GPUs are tensor parallel x pipeline stages x data parallel; the data-parallel
     # degree is what is left of the GPUs when it is not named.
-    replica = lay.tensor_parallel * lay.pipeline_stages
+    model = layout_from_given({k: v for k, v in given.items() if k in ("tensor_parallel", "pipeline_stages")})
+    replica = model.tensor_parallel * model.pipeline_stages
     if given.get("data_parallel") is None:
         if n % replica:
-            raise EstimateError(f"gpus={n}: not a multiple of tensor_parallel x pipeline_stages = {replica}; "
+            raise EstimateError(f"--gpus={n}: not a multiple of --tensor-parallel x --pipeline-stages = {replica}; "
                                 "expected a multiple")
-        lay = replace(lay, data_parallel=n // replica)
-    elif replica * lay.data_parallel != n:
-        raise EstimateError(f"gpus={n}: tensor_parallel x pipeline_stages x data_parallel = {lay.tensor_parallel} x "
-                            f"{lay.pipeline_stages} x {lay.data_parallel} = {replica * lay.data_parallel}; "
-                            "expected them equal")
+        given = {**given, "data_parallel": n // replica}
+    lay = layout_from_given(given)
+    if replica * lay.data_parallel != n:
+        raise EstimateError(f"--gpus={n}: --tensor-parallel x --pipeline-stages x --data-parallel = "
+                            f"{lay.tensor_parallel} x {lay.pipeline_stages} x {lay.data_parallel} = "
+                            f"{replica * lay.data_parallel}; expected them equal")
     return n, lay
 
 
@@ -188,14 +190,16 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
     ac, name = _check_ac(ac), _check_hardware(hardware)
     recipe = profiler.PRECISIONS.get(precision.lower()) if isinstance(precision, str) else None
     if recipe is None:
-        raise profiler.PrecisionError(f"precision={precision!r}: expected one of {', '.join(profiler.PRECISIONS)}")
+        raise profiler.PrecisionError(f"--precision={precision!r}: expected one of {', '.join(profiler.PRECISIONS)}")
     given = dict(tensor_parallel=tensor_parallel, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
                  virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
                  sequence_parallel=sequence_parallel, zero=zero, schedule=schedule)
     n, lay = _layout(gpus, {k: v for k, v in given.items() if v is not None})
-    bundle = build_model(model, model_args=model_args, batch_size=_positive("batch_size", batch_size),
-                         seq_len=_positive("seq_len", seq_len), device="meta", dtype=recipe.model_dtype)
-    whole = profiler.profile_step(bundle, hardware=name, optimizer="adam", precision=recipe.name)
+    bundle = build_model(model, model_args=model_args, batch_size=_positive("--batch-size", batch_size),
+                         seq_len=_positive("--seq-len", seq_len), device="meta", dtype=recipe.model_dtype)
+    # the spec for the dtype matmuls compute in: under autocast the parameters are fp32, the matmuls not
+    spec = profiler.hardware_spec(name, dtype=getattr(torch, recipe.compute))
+    whole = profiler.profile_step(bundle, hardware=spec, optimizer="adam", precision=recipe.name)
     rank = _rank_profile(whole, bundle, lay, name)
     lay = Layout.from_dict(rank.model["layout"]) if rank.model.get("layout") else lay
     plan, allocated, step, note = _figures(rank, ac, lay, solver)

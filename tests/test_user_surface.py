@@ -30,6 +30,9 @@ EXPECTED: dict[str, set[str]] = {
                "--model-args", "--tensor-parallel", "--virtual-pipeline-stages", "--data-parallel",
                "--sequence-parallel", "--zero", "--schedule"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
+    "estimate": {"--model", "--model-args", "--hardware", "--gpus", "--precision", "--batch-size", "--seq-len",
+                 "--ac", "--solver", "--json", "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
+                 "--data-parallel", "--micro-batches", "--sequence-parallel", "--zero", "--schedule"},
     "pareto": {"<profile>", "--hardware", "--solvers", "--points", "-o", "--output"},
     "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
             "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
@@ -76,6 +79,7 @@ SCRIPT_FLAGS = {"--adaptive-memory-optimization", "--memory-budget", "--memory-p
 PUBLIC = {
     "adaptive_mem": {
         "__version__", "AC_MODES", "AdaptiveBudgetError", "AdaptiveMemory", "ConfigError", "DeviceMemory", "ModelBundle",
+        "EstimateError", "EstimateResult", "estimate",
         "ModelSpecError", "OomHook", "OptimizeArgumentError", "OptimizeHandle", "Plan", "PlanCache", "PlanSummary",
         "Profile", "RetryOnOom", "SearchResult", "StageResult", "SwapExhaustedError", "SwapManager",
         "ThroughputSearchResult", "ac_plan", "adapt_mem_func_wrapper", "adaptive_optimize", "add_arguments",

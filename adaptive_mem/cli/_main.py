@@ -22,6 +22,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "adaptive_mem.cli._units",
     "adaptive_mem.cli._search",
     "adaptive_mem.cli._simulate",
+    "adaptive_mem.cli._estimate",
     "adaptive_mem.cli._pareto",
     "adaptive_mem.cli._run",
     "adaptive_mem.cli._bench",

@@ -1,0 +1,117 @@
+"""``adaptive_mem.estimate`` and ``adaptive-mem estimate``: one rank's peak, step time, tokens/s per GPU and MFU of a
+run on N GPUs, from fake tensors (fast: nothing is allocated)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import adaptive_mem as am
+import profiler
+from adaptive_mem._estimate import ESTIMATE_AC_MODES, model_flops_per_token, reserved_bytes
+from adaptive_mem.cli._main import main
+
+MODES = [m.replace("layer:N", "layer:2") for m in ESTIMATE_AC_MODES]
+KEYS = {"fits", "peak_allocated_bytes", "peak_reserved_bytes", "step_time_s", "tokens_per_s_per_gpu", "mfu"}
+SEVEN_B = dict(batch_size=1, seq_len=4096)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict[str, am.EstimateResult]:
+    return {mode: am.estimate("llama-tiny", ac=mode) for mode in MODES}
+
+
+@pytest.fixture(scope="module")
+def seven_b() -> dict[str, am.EstimateResult]:
+    return {mode: am.estimate("llama2-7b", ac=mode, **SEVEN_B) for mode in ("none", "full", "op", "layer:2", "ours")}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_ac_mode_on_llama_tiny(tiny, mode):
+    r = tiny[mode]
+    assert r.fits and r.headroom_bytes == r.device_memory_bytes - r.peak_reserved_bytes > 0
+    assert r.peak_allocated_bytes > 0 and r.step_time_s > 0 and 0 < r.mfu < 1
+    assert r.ac == mode and r.hardware == "h100" and r.gpus == 1
+    assert r.plan is not None and r.plan.meta.get("ac_mode", "ours") in (mode, "ours")
+
+
+def test_recompute_saves_memory_and_costs_time(tiny, seven_b):
+    for runs in (tiny, seven_b):
+        assert runs["full"].peak_allocated_bytes < runs["layer:2"].peak_allocated_bytes \
+            < runs["none"].peak_allocated_bytes
+        assert runs["op"].peak_allocated_bytes < runs["none"].peak_allocated_bytes
+        assert runs["full"].tokens_per_s_per_gpu < runs["none"].tokens_per_s_per_gpu
+        # ours: the fastest plan under the device's memory; keep-all fits here, so it is keep-all's figures
+        assert runs["ours"].step_time_s == pytest.approx(runs["none"].step_time_s)
+
+
+def test_throughput_and_mfu_follow_their_formulas(seven_b):
+    r = seven_b["none"]
+    assert r.tokens_per_s_per_gpu == pytest.approx(4096 / r.step_time_s)
+    flops = model_flops_per_token(parameters=6738415616, num_layers=32, hidden_size=4096, seq_len=4096)
+    assert r.mfu == pytest.approx(flops * r.tokens_per_s_per_gpu / profiler.HARDWARE["h100"].half_flops)
+    assert 0.2 < r.mfu < 1
+    assert r.peak_reserved_bytes == reserved_bytes(r.peak_allocated_bytes)
+
+
+def test_fits_flips_when_the_run_is_sharded():
+    """amp-bf16 keeps 16 B per parameter: 7B parameters do not fit one h100, and fit with ZeRO 3 over 8."""
+    one = am.estimate("llama2-7b", precision="amp-bf16", ac="full", batch_size=1, seq_len=1024)
+    eight = am.estimate("llama2-7b", precision="amp-bf16", ac="full", batch_size=1, seq_len=1024, gpus=8, zero=3)
+    assert not one.fits and one.headroom_bytes < 0
+    assert eight.fits and eight.headroom_bytes > 0
+    assert eight.layout.data_parallel == 8 and eight.layout.zero == 3
+    assert eight.peak_allocated_bytes < one.peak_allocated_bytes - 50 * 2**30
+
+
+def test_ours_without_a_fitting_plan_says_so():
+    r = am.estimate("llama2-7b", precision="amp-bf16", ac="ours", batch_size=1, seq_len=1024)
+    assert not r.fits and r.plan is None and "no plan fits" in r.note
+    assert r.to_dict()["plan"] is None
+
+
+def test_pipeline_layout_reports_the_busiest_rank():
+    whole = am.estimate("llama2-7b", ac="none", **SEVEN_B)
+    piped = am.estimate("llama2-7b", ac="none", gpus=8, tensor_parallel=2, pipeline_stages=2, micro_batches=4,
+                        **SEVEN_B)
+    assert piped.layout.data_parallel == 2
+    assert piped.peak_allocated_bytes < whole.peak_allocated_bytes
+    assert piped.tokens_per_s_per_gpu == pytest.approx(4 * 4096 / piped.step_time_s / 4)
+
+
+def test_cli_json_equals_the_function(capsys):
+    assert main(["estimate", "--model", "llama-tiny", "--gpus", "2", "--ac", "op", "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert KEYS <= set(printed)
+    assert printed == json.loads(json.dumps(am.estimate("llama-tiny", gpus=2, ac="op").to_dict()))
+
+
+def test_cli_prints_the_figures(capsys):
+    assert main(["estimate", "--model", "llama-tiny", "--ac", "ours"]) == 0
+    out = capsys.readouterr().out
+    for word in ("allocated", "reserved", "step time", "tokens/s per GPU", "MFU", "fits                yes", "plan"):
+        assert word in out
+
+
+@pytest.mark.parametrize("argv, key", [
+    (["--gpus", "3", "--tensor-parallel", "2"], "--gpus=3"),
+    (["--gpus", "4", "--data-parallel", "3"], "--gpus=4"),
+    (["--gpus", "0"], "--gpus='0'"),
+    (["--ac", "layer:0"], "--ac='layer:0'"),
+    (["--ac", "selective"], "--ac='selective'"),
+    (["--hardware", "cpu"], "--hardware='cpu'"),
+    (["--precision", "fp8"], "--precision='fp8'"),
+    (["--batch-size", "x"], "--batch-size='x'"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, key):
+    assert main(["estimate", "--model", "llama-tiny", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0]
+
+
+def test_bad_input_raises_value_errors():
+    with pytest.raises(am.EstimateError, match="--gpus=8"):
+        am.estimate("llama-tiny", gpus=8, data_parallel=2)
+    with pytest.raises(ValueError, match="--ac='bogus'"):
+        am.estimate("llama-tiny", ac="bogus")
