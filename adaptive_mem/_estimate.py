@@ -85,7 +85,7 @@ def reserved_bytes(allocated: int) -> int:
     return int(allocated)
 
 
-def model_flops_per_token(*, parameters: int, num_layers: int, hidden_size: int, seq_len: int) -> float:
+def model_flops_per_token(*, parameters: float, num_layers: int, hidden_size: int, seq_len: int) -> float:
     """Model FLOPs per trained token, forward and backward, recompute not counted: ``6 N + 12 L h s`` (the
     matmuls of ``N`` parameters, three times two FLOPs per multiply-add, and the attention scores and their
     weighted sum of ``L`` layers of width ``h`` over ``s`` positions; Narayanan et al. 2021, appendix)."""

@@ -47,11 +47,15 @@ POLICIES = (("adaptive-mem (milp)", "milp"), ("Megatron selective", "selective")
 
 
 def model_flops(profile: Any) -> float:
-    """Model FLOPs of one micro-batch (forward + backward, recompute not counted): 6 N T + 12 L h s T."""
+    """Model FLOPs of one micro-batch (forward + backward, recompute not counted): its tokens times
+    ``adaptive_mem.estimate``'s FLOPs per token."""
+    from adaptive_mem._estimate import model_flops_per_token
+
     params = profile.static.parameters / _dtype_bytes(profile.model.get("dtype", "bfloat16"))
     tokens = profile.model["batch_size"] * profile.model["seq_len"]
-    hidden = profile.model.get("hidden_size") or 0
-    return 6 * params * tokens + 12 * profile.num_layers * hidden * profile.model["seq_len"] * tokens
+    return tokens * model_flops_per_token(parameters=params, num_layers=profile.num_layers,
+                                          hidden_size=profile.model.get("hidden_size") or 0,
+                                          seq_len=profile.model["seq_len"])
 
 
 def _dtype_bytes(name: str) -> int:
