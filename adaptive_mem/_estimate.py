@@ -11,8 +11,10 @@ half-precision FLOPs.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import profiler
@@ -22,7 +24,7 @@ from profiler.tracing import parameter_split
 from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats
 from search.planning import resolve, simulate_assignment
 
-from ._model_spec import build_model
+from ._model_spec import build_model, parse_model_args
 from ._search import _stages, rank_figures, search
 from .config import AC_MODES, ac_plan
 from .config._layout import layout_from_given
@@ -135,6 +137,36 @@ def _layout(gpus: Any, given: dict[str, Any]) -> tuple[int, Layout]:
     return n, lay
 
 
+_HF_FILE_KEYS = ("model_type", "architectures", "auto_map", "torch_dtype", "dtype", "transformers_version",
+                 "_name_or_path")
+"""Keys of a Hugging Face config.json that describe the file or the checkpoint, not the model's shape."""
+
+
+def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str, Any]]:
+    """``hf:path/to/config.json`` (a local Hugging Face config) as ``(hf:<model_type>, model_args)``: the file's
+    keys over the config class's own defaults, ``model_args`` over both."""
+    from .models._hf import HF_FAMILIES
+
+    path = Path(spec[3:])
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise EstimateError(f"--model={spec!r}: cannot read {str(path)!r} ({exc.strerror}); expected a local "
+                            "Hugging Face config.json") from None
+    except ValueError:
+        raise EstimateError(f"--model={spec!r}: not JSON; expected a Hugging Face config.json") from None
+    family = data.get("model_type") if isinstance(data, dict) else None
+    if family not in HF_FAMILIES:
+        raise EstimateError(f"--model={spec!r}: model_type={family!r}; expected one of {', '.join(HF_FAMILIES)}")
+    import transformers
+
+    class_name, tiny = HF_FAMILIES[family]
+    default = getattr(transformers, class_name)()
+    args = {k: getattr(default, k) for k in tiny if hasattr(default, k)}  # not the family's tiny test shape
+    args.update({k: v for k, v in data.items() if k not in _HF_FILE_KEYS and hasattr(default, k)})
+    return f"hf:{family}", {**args, **parse_model_args(model_args)}
+
+
 def _rank_profile(profile: Profile, bundle: Any, layout: Layout, hardware: str) -> Profile:
     """One rank's share of the profiled step (as ``adaptive-mem profile`` cuts it)."""
     if layout == Layout():
@@ -182,7 +214,7 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
              sequence_parallel: bool | None = None, zero: int | None = None, schedule: str | None = None,
              solver: str = "milp") -> EstimateResult:
     """Predicted per-rank peak memory, step time, tokens/s per GPU and MFU of training ``model`` (a model spec
-    as :func:`adaptive_mem.build_model` takes it) on ``gpus`` devices of ``hardware`` (``h100``, ``h200``,
+    as :func:`adaptive_mem.build_model` takes it, or ``hf:path/to/config.json``: a local Hugging Face config) on ``gpus`` devices of ``hardware`` (``h100``, ``h200``,
     ``a100``, ``ascend-910b``) under the precision recipe ``precision`` (``profiler.PRECISIONS``) with the AC
     mode ``ac`` (``ESTIMATE_AC_MODES``). ``batch_size`` is the micro-batch; the layout keys are
     :func:`adaptive_mem.search`'s, and ``gpus`` must equal their product (data parallel filled in when not
@@ -195,6 +227,8 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
                  virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
                  sequence_parallel=sequence_parallel, zero=zero, schedule=schedule)
     n, lay = _layout(gpus, {k: v for k, v in given.items() if v is not None})
+    if isinstance(model, str) and model.startswith("hf:") and model.endswith(".json"):
+        model, model_args = _hf_config(model, model_args)
     bundle = build_model(model, model_args=model_args, batch_size=_positive("--batch-size", batch_size),
                          seq_len=_positive("--seq-len", seq_len), device="meta", dtype=recipe.model_dtype)
     # the spec for the dtype matmuls compute in: under autocast the parameters are fp32, the matmuls not

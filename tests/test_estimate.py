@@ -115,3 +115,30 @@ def test_bad_input_raises_value_errors():
         am.estimate("llama-tiny", gpus=8, data_parallel=2)
     with pytest.raises(ValueError, match="--ac='bogus'"):
         am.estimate("llama-tiny", ac="bogus")
+
+
+LLAMA2_7B_CONFIG = {  # meta-llama/Llama-2-7b-hf config.json
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "rms_norm_eps": 1e-05, "torch_dtype": "float16", "tie_word_embeddings": False,
+    "transformers_version": "4.31.0", "bos_token_id": 1, "eos_token_id": 2, "rope_scaling": None}
+
+
+def test_local_hugging_face_config(tmp_path, seven_b):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA2_7B_CONFIG))
+    r = am.estimate(f"hf:{path}", ac="full", **SEVEN_B)
+    assert len(r.plan.decisions) == 32  # its 32 layers, not the family's test shape
+    assert r.peak_allocated_bytes == pytest.approx(seven_b["full"].peak_allocated_bytes, rel=0.01)
+    assert r.mfu == pytest.approx(seven_b["full"].mfu, rel=0.05)
+
+
+@pytest.mark.parametrize("text, words", [(None, "cannot read"), ("{", "not JSON"),
+                                         ('{"model_type": "nope"}', "model_type='nope'")])
+def test_bad_local_config_is_one_line(tmp_path, capsys, text, words):
+    path = tmp_path / "config.json"
+    if text is not None:
+        path.write_text(text)
+    assert main(["estimate", "--model", f"hf:{path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and words in err[0] and "--model=" in err[0]
