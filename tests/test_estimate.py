@@ -142,3 +142,13 @@ def test_bad_local_config_is_one_line(tmp_path, capsys, text, words):
     assert main(["estimate", "--model", f"hf:{path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and words in err[0] and "--model=" in err[0]
+
+
+def test_ours_fits_where_keep_all_does_not():
+    """llama2-7b at micro-batch 2: keep-all misses an h100's memory; ours fits it, faster than full recompute."""
+    runs = {mode: am.estimate("llama2-7b", ac=mode, batch_size=2, seq_len=4096) for mode in ("none", "full", "ours")}
+    assert not runs["none"].fits and runs["none"].headroom_bytes < 0
+    assert runs["ours"].fits and runs["full"].fits
+    assert runs["ours"].peak_reserved_bytes <= runs["ours"].device_memory_bytes
+    assert runs["ours"].tokens_per_s_per_gpu > runs["full"].tokens_per_s_per_gpu
+    assert runs["ours"].plan.decisions and "plan" in runs["ours"].to_dict()
