@@ -52,7 +52,9 @@ def render(result: EstimateResult, spec: str) -> list[str]:
              f"tokens/s per GPU    {result.tokens_per_s_per_gpu:.1f}",
              f"MFU                 {100 * result.mfu:.2f} %"]
     if result.ac == "ours" and result.plan is not None:
-        lines.append(f"plan                {len(result.plan.decisions)} decisions (--json prints them)")
+        decisions = result.plan.decisions
+        lines.append(f"plan                {len(decisions)} decisions" + (" (keep everything)" if not decisions else ""))
+        lines += [f"  {target}: {d.action.value}" for target, d in decisions.items()]
     if result.note:
         lines.append(f"note                {result.note}")
     return lines
