@@ -12,7 +12,6 @@ half-precision FLOPs.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,8 @@ from search.planning import resolve, simulate_assignment
 
 from ._model_spec import build_model, parse_model_args
 from ._search import _stages, rank_figures, search
-from .config import AC_MODES, ac_plan
+from .config import AC_MODES, ConfigError, ac_plan
+from .config._ac_modes import _parse as parse_ac_mode
 from .config._layout import layout_from_given
 
 __all__ = ["ESTIMATE_AC_MODES", "EstimateError", "EstimateResult", "estimate", "model_flops_per_token",
@@ -103,9 +103,14 @@ def _positive(key: str, value: Any) -> int | None:
 
 
 def _check_ac(ac: Any) -> str:
-    if isinstance(ac, str) and (ac in ESTIMATE_AC_MODES and ac != "layer:N" or re.fullmatch(r"layer:[1-9]\d*", ac)):
+    """``ac`` as given: ``ours`` or a mode ``ac_plan`` takes (its parser decides)."""
+    if ac == "ours":
         return ac
-    raise EstimateError(f"--ac={ac!r}: expected one of {', '.join(ESTIMATE_AC_MODES)} (N an integer >= 1)")
+    try:
+        parse_ac_mode(ac)
+    except ConfigError:
+        raise EstimateError(f"--ac={ac!r}: expected one of {', '.join(ESTIMATE_AC_MODES)} (N an integer >= 1)") from None
+    return ac
 
 
 def _check_hardware(hardware: Any) -> str:
@@ -158,8 +163,10 @@ def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str,
     family = data.get("model_type") if isinstance(data, dict) else None
     if family not in HF_FAMILIES:
         raise EstimateError(f"--model={spec!r}: model_type={family!r}; expected one of {', '.join(HF_FAMILIES)}")
-    import transformers
-
+    try:
+        import transformers
+    except ImportError:
+        raise EstimateError(f"--model={spec!r}: needs transformers (pip install 'adaptive-mem[hf]')") from None
     class_name, tiny = HF_FAMILIES[family]
     default = getattr(transformers, class_name)()
     args = {k: getattr(default, k) for k in tiny if hasattr(default, k)}  # not the family's tiny test shape
