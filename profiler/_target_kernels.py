@@ -1,0 +1,77 @@
+"""The target device's attention kernel on fake tensors.
+
+Note: [fake attention on a CUDA target]. Fake tensors of a ``device="meta"`` profile are CPU tensors,
+so ``F.scaled_dot_product_attention`` dispatches as on a CPU: without dropout to
+``aten._scaled_dot_product_flash_attention_for_cpu``, whose autograd node saves what the CUDA flash
+and cuDNN kernels save (q, k, v, the output and the fp32 logsumexp ``[B, H, S]``); with dropout to the
+math decomposition, which saves the ``[B, H, S, S]`` attention matrix and its dropout mask. A CUDA
+kernel never materialises that matrix: flash attention draws its dropout mask again in backward from
+the saved RNG state (``rng_state``, two uint64, plus one unused uint64 in PyTorch's
+``_scaled_dot_product_flash_attention``). On a CUDA target (:data:`CUDA_HARDWARE`) the fake pass
+therefore runs an SDPA call with dropout as ``aten._scaled_dot_product_flash_attention`` itself,
+whose meta kernel gives the CUDA kernel's outputs and whose autograd formula saves them, whenever
+PyTorch's CUDA dispatch would pick flash (``sdp_utils.cpp`` ``use_flash_attention``: no attention mask,
+fp16/bf16, 4-D inputs, one head dim of at most 256 for q, k and v). Every other call keeps
+the CPU dispatch. Guarded by ``tests/test_target_kernels.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["CUDA_HARDWARE", "cuda_attention", "is_cuda_hardware"]
+
+CUDA_HARDWARE = ("h100", "h200", "a100")
+"""Hardware specs of ``profiler._hardware`` that are NVIDIA GPUs (CUDA kernels, the CUDA caching allocator)."""
+
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def is_cuda_hardware(name: str | None) -> bool:
+    """Whether hardware ``name`` (``h100``, ``cpu``...) runs CUDA kernels."""
+    return str(name or "").lower() in CUDA_HARDWARE
+
+
+def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict[str, Any]) -> bool:
+    """The CUDA dispatch would run flash attention and the CPU one would not (Note: [fake attention on a CUDA
+    target])."""
+    if not named.get("dropout_p") or named.get("attn_mask") is not None:
+        return False
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if not q.size(-1) == k.size(-1) == v.size(-1) <= 256:
+        return False
+    return k.size(1) == q.size(1) or bool(named.get("enable_gqa"))
+
+
+class _CudaAttention(TorchFunctionMode):
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        named = dict(zip(_SDPA_ARGS, args)) | kwargs
+        q, k, v = named["query"], named["key"], named["value"]
+        if torch.is_autocast_enabled(q.device.type) and q.dtype == torch.float32:
+            half = torch.get_autocast_dtype(q.device.type)
+            q, k, v = q.to(half), k.to(half), v.to(half)
+        if not _flash_applies(q, k, v, named):
+            return func(*args, **kwargs)
+        return _FLASH(q, k, v, float(named["dropout_p"]), bool(named.get("is_causal", False)),
+                      scale=named.get("scale"))[0]
+
+
+@contextlib.contextmanager
+def cuda_attention(hardware: str | None) -> Iterator[None]:
+    """On a CUDA ``hardware``, SDPA with dropout saves what the CUDA flash kernel saves (Note: [fake attention on
+    a CUDA target]); on any other hardware nothing changes."""
+    if not is_cuda_hardware(hardware):
+        yield
+        return
+    with _CudaAttention():
+        yield

@@ -1,0 +1,60 @@
+"""The target device's attention kernel on fake tensors: what flash attention saves, against its formula."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import profiler
+from adaptive_mem import build_model
+
+_LSE = 4  # the logsumexp is fp32 whatever the inputs' dtype
+
+
+def _attention_units(profile: profiler.Profile) -> list[profiler.UnitRecord]:
+    return [u for u in profile.units if u.local_name.endswith("flash_attention")]
+
+
+def _flash_bytes(batch: int, seq: int, heads: int, head_dim: int, itemsize: int, rng: int = 0) -> int:
+    """Output ``[B, S, H, D]`` in the inputs' dtype, logsumexp ``[B, H, S]`` fp32, the RNG state with dropout."""
+    return batch * seq * heads * head_dim * itemsize + batch * heads * seq * _LSE + rng
+
+
+def _check(bundle, heads: int, head_dim: int, hardware: str, rng: int = 0) -> profiler.Profile:
+    profile = profiler.profile_step(bundle, hardware=hardware)
+    units = _attention_units(profile)
+    assert len(units) == profile.num_layers
+    itemsize = torch.empty((), dtype=bundle.dtype).element_size()
+    expected = _flash_bytes(bundle.batch_size, bundle.seq_len, heads, head_dim, itemsize, rng)
+    assert {u.saved_bytes for u in units} == {expected}
+    return profile
+
+
+@pytest.mark.parametrize("hardware", ["h100", "a100"])
+def test_llama_tiny_attention_saves_output_and_logsumexp(hardware):
+    bundle = build_model("llama-tiny", device="meta", dtype="bfloat16")
+    cfg = bundle.model.config
+    _check(bundle, cfg.num_heads, cfg.head_dim, hardware)
+
+
+def test_hf_llama_attention_saves_output_and_logsumexp():
+    bundle = build_model("hf:llama", device="meta", dtype="bfloat16")
+    cfg = bundle.model.config
+    _check(bundle, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, "h100")
+
+
+def test_dropout_on_a_cuda_target_saves_the_rng_state_not_the_attention_matrix():
+    bundle = build_model("hf:gpt2", device="meta", dtype="bfloat16", model_args="attn_pdrop=0.1")
+    cfg = bundle.model.config
+    rng = 2 * 8 + 8  # rng_state (two uint64) and the kernel's unused uint64
+    profile = _check(bundle, cfg.n_head, cfg.n_embd // cfg.n_head, "h100", rng=rng)
+    assert any(o.op == "aten._scaled_dot_product_flash_attention.default" for o in profile.ops)
+    assert all(o.flops > 0 for o in profile.ops if "flash_attention" in o.op)
+
+
+def test_dropout_off_a_cuda_target_keeps_the_cpu_dispatch():
+    bundle = build_model("hf:gpt2", device="meta", dtype="bfloat16", model_args="attn_pdrop=0.1")
+    cuda = profiler.profile_step(bundle, hardware="h100")
+    ascend = profiler.profile_step(bundle, hardware="ascend-910b")
+    assert not any("flash_attention" in o.op for o in ascend.ops)  # the math decomposition
+    assert sum(o.saved_bytes for o in ascend.ops) > sum(o.saved_bytes for o in cuda.ops)
