@@ -8,11 +8,12 @@ math decomposition, which saves the ``[B, H, S, S]`` attention matrix and its dr
 kernel never materialises that matrix: flash attention draws its dropout mask again in backward from
 the saved RNG state (``rng_state``, two uint64, plus one unused uint64 in PyTorch's
 ``_scaled_dot_product_flash_attention``). On a CUDA target (:data:`CUDA_HARDWARE`) the fake pass
-therefore runs an SDPA call with dropout as ``aten._scaled_dot_product_flash_attention`` itself,
-whose meta kernel gives the CUDA kernel's outputs and whose autograd formula saves them, whenever
-PyTorch's CUDA dispatch would pick flash (``sdp_utils.cpp`` ``use_flash_attention``: no attention mask,
-fp16/bf16, 4-D inputs, one head dim of at most 256 for q, k and v). Every other call keeps
-the CPU dispatch. Guarded by ``tests/test_target_kernels.py``.
+therefore runs an SDPA call with dropout as the kernel PyTorch's CUDA dispatch picks (``sdp_utils.cpp``,
+flash before memory-efficient): ``aten._scaled_dot_product_flash_attention`` for fp16/bf16 4-D inputs without
+an attention mask and one head dim of at most 256, else ``aten._scaled_dot_product_efficient_attention`` for
+fp16/bf16/fp32 inputs with head dims divisible by 8 (a mask allowed; logsumexp padded to a multiple of 32,
+RNG seed and offset saved). Their meta kernels give the CUDA kernels' outputs and their autograd formulas save
+them. Every other call keeps the CPU dispatch. Guarded by ``tests/test_target_kernels.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ CUDA_HARDWARE = ("h100", "h200", "a100")
 """Hardware specs of ``profiler._hardware`` that are NVIDIA GPUs (CUDA kernels, the CUDA caching allocator)."""
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention.default
+_EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -38,16 +40,20 @@ def is_cuda_hardware(name: str | None) -> bool:
     return str(name or "").lower() in CUDA_HARDWARE
 
 
-def _flash_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict[str, Any]) -> bool:
-    """The CUDA dispatch would run flash attention and the CPU one would not (Note: [fake attention on a CUDA
-    target])."""
-    if not named.get("dropout_p") or named.get("attn_mask") is not None:
-        return False
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if not q.size(-1) == k.size(-1) == v.size(-1) <= 256:
-        return False
-    return k.size(1) == q.size(1) or bool(named.get("enable_gqa"))
+def _cuda_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict[str, Any]) -> str | None:
+    """``flash`` or ``efficient`` where the CUDA dispatch picks that kernel and the CPU one would not (Note: [fake
+    attention on a CUDA target]); None to keep the CPU dispatch."""
+    if not named.get("dropout_p") or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return None
+    if k.size(1) != q.size(1) and not (named.get("enable_gqa") and named.get("attn_mask") is None):
+        return None
+    if (named.get("attn_mask") is None and q.dtype in (torch.float16, torch.bfloat16)
+            and q.size(-1) == k.size(-1) == v.size(-1) <= 256):
+        return "flash"
+    if k.size(1) == q.size(1) and q.size(-1) == k.size(-1) and q.size(-1) % 8 == 0 == v.size(-1) % 8 \
+            and q.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        return "efficient"
+    return None
 
 
 class _CudaAttention(TorchFunctionMode):
@@ -60,10 +66,13 @@ class _CudaAttention(TorchFunctionMode):
         if torch.is_autocast_enabled(q.device.type) and q.dtype == torch.float32:
             half = torch.get_autocast_dtype(q.device.type)
             q, k, v = q.to(half), k.to(half), v.to(half)
-        if not _flash_applies(q, k, v, named):
-            return func(*args, **kwargs)
-        return _FLASH(q, k, v, float(named["dropout_p"]), bool(named.get("is_causal", False)),
-                      scale=named.get("scale"))[0]
+        kernel = _cuda_kernel(q, k, v, named)
+        dropout, causal = float(named.get("dropout_p") or 0.0), bool(named.get("is_causal", False))
+        if kernel == "flash":
+            return _FLASH(q, k, v, dropout, causal, scale=named.get("scale"))[0]
+        if kernel == "efficient":
+            return _EFFICIENT(q, k, v, named.get("attn_mask"), True, dropout, causal, scale=named.get("scale"))[0]
+        return func(*args, **kwargs)
 
 
 @contextlib.contextmanager

@@ -146,8 +146,4 @@ def reserved_at_peak(model: "StepModel", peak: int) -> int:
     profile's largest op output on a CUDA hardware target, ``peak`` elsewhere (Note: [allocator reserve])."""
     if not is_cuda_hardware(model.hardware.name):
         return peak
-    largest = model.__dict__.get("_largest_allocation")
-    if largest is None:
-        largest = max((o.output_bytes for o in model.profile.ops), default=0)
-        model.__dict__["_largest_allocation"] = largest
-    return reserve_model(peak, largest)
+    return reserve_model(peak, model.largest_allocation)

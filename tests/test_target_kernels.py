@@ -58,3 +58,20 @@ def test_dropout_off_a_cuda_target_keeps_the_cpu_dispatch():
     ascend = profiler.profile_step(bundle, hardware="ascend-910b")
     assert not any("flash_attention" in o.op for o in ascend.ops)  # the math decomposition
     assert sum(o.saved_bytes for o in ascend.ops) > sum(o.saved_bytes for o in cuda.ops)
+
+
+def test_fp32_dropout_on_a_cuda_target_runs_memory_efficient_attention():
+    bundle = build_model("hf:gpt2", device="meta", dtype="float32", model_args="attn_pdrop=0.1")
+    cfg = bundle.model.config
+    heads, padded = cfg.n_head, -(-bundle.seq_len // 32) * 32  # its logsumexp is padded to a multiple of 32
+    profile = profiler.profile_step(bundle, hardware="h100")
+    out = bundle.batch_size * bundle.seq_len * cfg.n_embd * 4
+    expected = out + bundle.batch_size * heads * padded * _LSE + 2 * 8  # RNG seed and offset (int64)
+    assert {u.saved_bytes for u in _attention_units(profile)} == {expected}
+    assert any(o.op == "aten._scaled_dot_product_efficient_attention.default" for o in profile.ops)
+
+
+def test_dropout_under_autocast_runs_the_flash_kernel_in_bf16():
+    bundle = build_model("hf:gpt2", device="meta", dtype="float32", model_args="attn_pdrop=0.1")
+    profile = profiler.profile_step(bundle, hardware="h100", precision="amp-bf16")
+    assert any(o.op == "aten._scaled_dot_product_flash_attention.default" for o in profile.ops)
