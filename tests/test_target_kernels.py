@@ -43,11 +43,13 @@ def test_hf_llama_attention_saves_output_and_logsumexp():
     _check(bundle, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, "h100")
 
 
-def test_dropout_on_a_cuda_target_saves_the_rng_state_not_the_attention_matrix():
-    bundle = build_model("hf:gpt2", device="meta", dtype="bfloat16", model_args="attn_pdrop=0.1")
+@pytest.mark.parametrize("spec, dropout", [("hf:gpt2", "attn_pdrop=0.1"), ("hf:llama", "attention_dropout=0.1")])
+def test_dropout_on_a_cuda_target_saves_the_rng_state_not_the_attention_matrix(spec, dropout):
+    bundle = build_model(spec, device="meta", dtype="bfloat16", model_args=dropout)  # hf:llama: grouped-query
     cfg = bundle.model.config
     rng = 2 * 8 + 8  # rng_state (two uint64) and the kernel's unused uint64
-    profile = _check(bundle, cfg.n_head, cfg.n_embd // cfg.n_head, "h100", rng=rng)
+    heads = cfg.num_attention_heads
+    profile = _check(bundle, heads, cfg.hidden_size // heads, "h100", rng=rng)
     assert any(o.op == "aten._scaled_dot_product_flash_attention.default" for o in profile.ops)
     assert all(o.flops > 0 for o in profile.ops if "flash_attention" in o.op)
 
