@@ -36,8 +36,10 @@ _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "s
 
 
 def is_cuda_hardware(name: str | None) -> bool:
-    """Whether hardware ``name`` (``h100``, ``cpu``...) runs CUDA kernels."""
-    return str(name or "").lower() in CUDA_HARDWARE
+    """Whether hardware ``name`` runs CUDA kernels: a spec of :data:`CUDA_HARDWARE`, or ``cuda`` (a spec measured on
+    a CUDA device); ``cpu``, ``ascend-910b``, ``npu``... do not."""
+    key = str(name or "").lower()
+    return key in CUDA_HARDWARE or key == "cuda"
 
 
 def _cuda_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, named: dict[str, Any]) -> str | None:

@@ -66,6 +66,11 @@ def test_reserved_is_at_least_allocated_on_a_cuda_target(fake_profile, plan):
     assert sim.peak_reserved_bytes >= sim.peak_bytes + 2 * MIB
 
 
+def test_cuda_hardware_names():
+    assert [profiler.is_cuda_hardware(n) for n in ("h100", "H200", "a100", "cuda")] == [True] * 4
+    assert [profiler.is_cuda_hardware(n) for n in ("cpu", "ascend-910b", "npu", None)] == [False] * 4
+
+
 def test_reserved_is_allocated_off_cuda(fake_profile):
     sim = simulate(fake_profile, Plan(), hardware=profiler.hardware_spec("ascend-910b"))
     assert sim.peak_reserved_bytes == sim.peak_bytes
