@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from profiler import HardwareSpec, Layout, Profile, hardware_spec
+from profiler import HardwareSpec, Layout, Profile, hardware_spec, is_cuda_hardware
 from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, StepModel, fmt_bytes, get_solver, merge_plans, minimum_budget)
 from search.planning import Stage, check_feasible, in_flight, pipeline_step_time, simulate_assignment, split_layout
 from search import DeviceMemoryError
@@ -56,6 +56,9 @@ class StageResult:
     shortfall: str | None
     """One line when the predicted peak exceeds the named device's memory, else None."""
     solve: SolveResult
+    peak_reserved_bytes: int | None = None
+    """On a CUDA target, what the caching allocator reserves at the plan's peak (``Simulation.peak_reserved_bytes``);
+    None elsewhere."""
 
 
 @dataclass(frozen=True)
@@ -171,7 +174,8 @@ def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, s
         keep_all_fits=keep_sim.peak_bytes <= problem.budget, minimum_budget=least, step_time=result.cost.step_time,
         stall_time=result.cost.stall_time, solve_time=result.stats.solve_time, lower_bound=result.stats.lower_bound,
         gap=result.stats.gap,
-        shortfall=device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes), solve=result)
+        shortfall=device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes), solve=result,
+        peak_reserved_bytes=sim.peak_reserved_bytes if is_cuda_hardware(st.model.hardware.name) else None)
 
 
 def _static(model: StepModel) -> int:

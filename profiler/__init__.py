@@ -11,9 +11,10 @@ from ._layout import SCHEDULES, Layout, LayoutError
 from ._shard import shard_profile
 from ._precision import PRECISIONS, Precision, PrecisionError
 from ._summary import format_summary
+from ._target_kernels import CUDA_HARDWARE, is_cuda_hardware
 
-__all__ = ["CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout", "LayoutError",
-           "OPTIMIZERS", "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision", "PrecisionError",
-           "Profile", "ProfileError", "SCHEDULES", "StaticMemory", "UnitRecord", "format_summary", "hardware_spec",
-           "machinery_scope", "measure_cpu", "measure_device", "measure_disk", "measure_link", "profile_compiled",
-           "profile_step", "shard_profile"]
+__all__ = ["CUDA_HARDWARE", "CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout",
+           "LayoutError", "OPTIMIZERS", "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision",
+           "PrecisionError", "Profile", "ProfileError", "SCHEDULES", "StaticMemory", "UnitRecord", "format_summary",
+           "hardware_spec", "is_cuda_hardware", "machinery_scope", "measure_cpu", "measure_device", "measure_disk",
+           "measure_link", "profile_compiled", "profile_step", "shard_profile"]

@@ -36,19 +36,18 @@ class _Shaped:
 _EXTRA = {
     _aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa,
     _aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_sdpa_backward,
+    _aten._scaled_dot_product_flash_attention: _cpu_sdpa,
+    _aten._scaled_dot_product_flash_attention_backward: _cpu_sdpa_backward,
 }
 
 
 def op_flops(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object) -> int:
     """Forward FLOPs of one call (``torch.utils.flop_counter`` formulas; 0 for ops it has none for)."""
     packet = func.overloadpacket
-    formula = flop_registry.get(packet)
+    formula = _EXTRA.get(packet) or flop_registry.get(packet)  # ours first: grouped-query attention
     try:
         if formula is not None:
             return int(formula(*args, **kwargs, out_val=out))
-        extra = _EXTRA.get(packet)
-        if extra is not None:
-            return int(extra(*args, **kwargs, out_val=out))
     except (AssertionError, TypeError, ValueError, IndexError, RuntimeError):
         return 0
     return 0

@@ -21,6 +21,7 @@ from ._precision import Precision, PrecisionError, autocast_loss, check_model_dt
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder
 from ._static import allocated_optimizer_state, gradient_split, held_beyond_model, static_memory
+from ._target_kernels import cuda_attention
 from ._timing import timed
 
 __all__ = ["StepTarget", "profile_compiled", "profile_step"]
@@ -251,7 +252,7 @@ def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake:
     recorder.start_memory([*static_tensors, *step.inputs])
     if meter is not None:
         meter.reset_peak()
-    with recorder.forward():
+    with recorder.forward(), cuda_attention(hw.name if fake else None):  # Note: [fake attention on a CUDA target]
         loss = step.loss()
     with recorder.backward():
         loss.backward()

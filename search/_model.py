@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from profiler import HardwareSpec, Profile, ProfileError
 from profiler.naming import MATMUL_OPS
@@ -96,6 +97,12 @@ class StepModel:
     spill_bound: list[int] = field(default_factory=list)
     """Per unit: bytes of its swap beyond ``host_budget`` when every unit before it swaps too (an upper
     bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
+
+    @cached_property
+    def largest_allocation(self) -> int:
+        """Bytes of the profile's largest op output: the step's largest single allocation (Note: [allocator
+        reserve])."""
+        return max((o.output_bytes for o in self.profile.ops), default=0)
 
     @property
     def static_bytes(self) -> int:

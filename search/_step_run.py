@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ._assignment import Assignment, Segment
 from ._model import StepModel
+from ._reserve import reserved_at_peak
 from ._timeline import Interval, Simulation, Timeline
 
 __all__ = ["StepRun"]
@@ -149,7 +150,8 @@ class StepRun:
         timeline = Timeline(self.intervals, memory) if self.record else None
         return Simulation(peak_bytes=self.model.base + peak, step_time=self.t + self.model.other_time,
                           stall_time=self.stall, recompute_time=self.replay, activation_peak=peak,
-                          swapped_bytes=self.swapped, timeline=timeline, spilled_bytes=sum(self.spilled.values()))
+                          swapped_bytes=self.swapped, timeline=timeline, spilled_bytes=sum(self.spilled.values()),
+                          peak_reserved_bytes=reserved_at_peak(self.model, self.model.base + peak))
 
 
 def _seg_name(model: StepModel, seg: Segment) -> str:

@@ -72,6 +72,9 @@ class Simulation:
     """Event timeline when requested (``record=True``)."""
     spilled_bytes: int = 0
     """Of ``swapped_bytes``, those beyond the host memory budget: written to and read from the disk tier."""
+    peak_reserved_bytes: int = 0
+    """What the device's allocator holds at the peak: on a CUDA target the caching allocator's reserve over
+    ``peak_bytes`` (``search._reserve``, Note: [allocator reserve]); elsewhere ``peak_bytes``."""
 
     def summary(self) -> dict[str, float | int]:
         return {"peak_bytes": self.peak_bytes, "step_time": self.step_time, "stall_time": self.stall_time,

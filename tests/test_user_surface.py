@@ -87,10 +87,10 @@ PUBLIC = {
         "plan_from_config", "plan_to_megatron", "plan_to_mindformers", "profile_step", "search", "simulate",
         "wrap_function"},
     "profiler": {
-        "CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout", "LayoutError", "OPTIMIZERS",
+        "CUDA_HARDWARE", "CompileBackendError", "HARDWARE", "HardwareError", "HardwareSpec", "Layout", "LayoutError", "OPTIMIZERS",
         "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision", "PrecisionError", "Profile",
         "ProfileError", "SCHEDULES", "StaticMemory",
-        "UnitRecord", "format_summary", "hardware_spec", "machinery_scope", "measure_cpu", "measure_device",
+        "UnitRecord", "format_summary", "hardware_spec", "is_cuda_hardware", "machinery_scope", "measure_cpu", "measure_device",
         "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile"},
     "search": {
         "Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",

@@ -93,7 +93,9 @@ def _report_stage(stage: StageResult, args: argparse.Namespace) -> None:
         act, keep = stage.activation_peak, stage.keep_all_activation_peak
         held = (f"(activation peak {fmt_bytes(act)} = {act / keep if keep else 0:.3f} of the keep-all "
                 f"{fmt_bytes(keep)}; budget {stage.budget.activation_fraction:g})")
-    print(f"{stage.where}peak {fmt_bytes(stage.peak_bytes)} {held}, "
+    held_by_cache = stage.peak_reserved_bytes  # a CUDA target's: Note: [allocator reserve]
+    reserved = "" if held_by_cache is None else f" allocated, {fmt_bytes(held_by_cache)} reserved"
+    print(f"{stage.where}peak {fmt_bytes(stage.peak_bytes)}{reserved} {held}, "
           f"step {fmt_seconds(stage.step_time)}, stall {fmt_seconds(stage.stall_time)}, "
           f"{args.solver} solved in {stage.solve_time:.2f} s{gap}")
     if stage.shortfall:

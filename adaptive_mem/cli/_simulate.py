@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from profiler import is_cuda_hardware
 from search import Plan, StepModel, fmt_bytes, simulate
 from search.planning import device_shortfall
 from search.planning import check_plan_matches
@@ -38,6 +39,8 @@ def run(args: argparse.Namespace) -> int:
     model = StepModel.build(profile, hardware=hardware)
     sim = simulate(model, plan, record=args.timeline is not None)
     print(f"peak device memory  {fmt_bytes(sim.peak_bytes)} ({sim.peak_bytes} bytes)")
+    if is_cuda_hardware(model.hardware.name):  # the caching allocator's reserve: Note: [allocator reserve]
+        print(f"peak reserved       {fmt_bytes(sim.peak_reserved_bytes)} ({sim.peak_reserved_bytes} bytes)")
     print(f"step time           {sim.step_time:.6f} s")
     print(f"stall time          {sim.stall_time:.6f} s")
     print(f"recompute time      {sim.recompute_time:.6f} s")
