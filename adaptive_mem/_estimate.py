@@ -12,7 +12,7 @@ half-precision FLOPs.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,8 @@ import profiler
 import torch
 from profiler import Layout, Profile
 from profiler.tracing import parameter_split
-from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats
-from search.planning import resolve, simulate_assignment
+from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel
+from search.planning import reserved_at_peak, resolve, simulate_assignment
 
 from ._model_spec import build_model, parse_model_args
 from ._search import _stages, rank_figures, search
@@ -80,11 +80,11 @@ class EstimateResult:
         return out
 
 
-def reserved_bytes(allocated: int) -> int:
-    """Note: [reserved from allocated] the bytes the CUDA caching allocator holds for ``allocated`` live bytes:
-    the one place an allocator reserve model turns the allocated peak into the reserved one. Without one the two
-    are equal."""
-    return int(allocated)
+def reserved_bytes(allocated: int, profile: Profile) -> int:
+    """Note: [reserved from allocated] the bytes the CUDA caching allocator holds for ``allocated`` live bytes of
+    a step of ``profile``: the allocator reserve model of the simulator (``search.planning.reserved_at_peak``,
+    docs/search.md "Reserved bytes"); equal to ``allocated`` off CUDA targets."""
+    return int(reserved_at_peak(StepModel.build(profile), int(allocated)))
 
 
 def model_flops_per_token(*, parameters: float, num_layers: int, hidden_size: int, seq_len: int) -> float:
@@ -249,7 +249,7 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
     flops = model_flops_per_token(parameters=int(whole.model.get("parameters") or 0), num_layers=whole.num_layers,
                                   hidden_size=int(getattr(getattr(bundle.model, "config", None), "hidden_size", 0)),
                                   seq_len=bundle.seq_len)
-    reserved, capacity = reserved_bytes(allocated), int(rank.hardware.device_memory)
+    reserved, capacity = reserved_bytes(allocated, rank), int(rank.hardware.device_memory)
     return EstimateResult(
         fits=reserved <= capacity, peak_allocated_bytes=int(allocated), peak_reserved_bytes=reserved,
         step_time_s=float(step), tokens_per_s_per_gpu=per_gpu, mfu=flops * per_gpu / profiler.HARDWARE[name].half_flops,

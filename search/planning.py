@@ -10,6 +10,7 @@ from ._collectives import data_parallel_comm
 from ._match import check_plan_matches
 from ._pipeline import Stage, split_layout, split_stages
 from ._plan import KEEP, matches
+from ._reserve import reserved_at_peak
 from ._scaling import keep_all_step_time
 from ._schedules import chunk_layers, in_flight, pipeline_step_time
 from ._simulator import resolve, segments, simulate_assignment
@@ -21,5 +22,5 @@ from ._yaml import load_document
 __all__ = ["Assignment", "Interval", "KEEP", "Stage", "Timeline", "activation_peak", "check_feasible",
            "check_plan_matches", "chunk_layers", "data_parallel_comm", "device_capacity", "device_shortfall",
            "fmt_seconds", "in_flight", "keep_all", "keep_all_step_time", "load_document", "matches",
-           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "resolve",
+           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "reserved_at_peak", "resolve",
            "segments", "simulate_assignment", "split_layout", "split_stages"]

@@ -9,7 +9,7 @@ import pytest
 
 import adaptive_mem as am
 import profiler
-from adaptive_mem._estimate import ESTIMATE_AC_MODES, model_flops_per_token, reserved_bytes
+from adaptive_mem._estimate import ESTIMATE_AC_MODES, model_flops_per_token
 from adaptive_mem.cli._main import main
 
 MODES = [m.replace("layer:N", "layer:2") for m in ESTIMATE_AC_MODES]
@@ -52,7 +52,9 @@ def test_throughput_and_mfu_follow_their_formulas(seven_b):
     flops = model_flops_per_token(parameters=6738415616, num_layers=32, hidden_size=4096, seq_len=4096)
     assert r.mfu == pytest.approx(flops * r.tokens_per_s_per_gpu / profiler.HARDWARE["h100"].half_flops)
     assert 0.2 < r.mfu < 1
-    assert r.peak_reserved_bytes == reserved_bytes(r.peak_allocated_bytes)
+    # the caching allocator's reserve on an h100 (Note: [reserved from allocated]): the allocated peak rounded to
+    # 2 MiB, a segment for the largest allocation and one small-pool segment
+    assert r.peak_allocated_bytes < r.peak_reserved_bytes <= r.peak_allocated_bytes + 4 * 2**20 + 2**30
 
 
 def test_fits_flips_when_the_run_is_sharded():
