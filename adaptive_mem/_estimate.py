@@ -19,14 +19,14 @@ from typing import Any
 import profiler
 import torch
 from profiler import Layout, Profile
-from profiler.tracing import parameter_split
+from profiler.tracing import parameter_split, precision_of
 from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel
 from search.planning import reserved_at_peak, resolve, simulate_assignment
 
 from ._model_spec import build_model, parse_model_args
-from ._search import _stages, rank_figures, search
+from ._search import rank_figures, search, stages_of
 from .config import AC_MODES, ConfigError, ac_plan
-from .config._ac_modes import _parse as parse_ac_mode
+from .config._ac_modes import parse_ac_mode
 from .config._layout import layout_from_given
 
 __all__ = ["ESTIMATE_AC_MODES", "EstimateError", "EstimateResult", "estimate", "model_flops_per_token",
@@ -186,7 +186,7 @@ def _rank_profile(profile: Profile, bundle: Any, layout: Layout, hardware: str) 
 def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]:
     """Peak bytes of the busiest rank and the step's seconds of ``plan``, stage by stage as :func:`search`
     figures its own plans."""
-    stages = _stages(profile, layout, None)
+    stages = stages_of(profile, layout, None)
     results = []
     for st in stages:
         asg = resolve(st.model, plan)
@@ -227,9 +227,7 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
     :func:`adaptive_mem.search`'s, and ``gpus`` must equal their product (data parallel filled in when not
     given: Note: [GPUs per layout]). Bad arguments raise a ``ValueError`` subclass naming the key."""
     ac, name = _check_ac(ac), _check_hardware(hardware)
-    recipe = profiler.PRECISIONS.get(precision.lower()) if isinstance(precision, str) else None
-    if recipe is None:
-        raise profiler.PrecisionError(f"--precision={precision!r}: expected one of {', '.join(profiler.PRECISIONS)}")
+    recipe = precision_of(precision, key="--precision", optional=False)
     given = dict(tensor_parallel=tensor_parallel, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
                  virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
                  sequence_parallel=sequence_parallel, zero=zero, schedule=schedule)

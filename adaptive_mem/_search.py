@@ -22,7 +22,7 @@ from search.planning import data_parallel_comm
 
 from adaptive_mem.config._layout import merge_layout, positive_int
 
-__all__ = ["SearchResult", "StageResult", "check_arguments", "chunk_budgets", "rank_figures", "search"]
+__all__ = ["SearchResult", "StageResult", "check_arguments", "chunk_budgets", "rank_figures", "search", "stages_of"]
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _budget_spec(budget: int | str | None, activation_budget: float | str | None
 
 def _check_device(model: StepModel, budget: Budget, spec: _BudgetSpec, where: str) -> None:
     """Refuse a step whose static memory, or a budget that exceeds the named device's memory."""
-    shortfall = device_shortfall(model.hardware, static=_static(model))
+    shortfall = device_shortfall(model.hardware, static=model.static_bytes)
     if shortfall:
         raise DeviceMemoryError(f"{where}{shortfall}")
     cap = device_capacity(model.hardware)
@@ -174,12 +174,8 @@ def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, s
         keep_all_fits=keep_sim.peak_bytes <= problem.budget, minimum_budget=least, step_time=result.cost.step_time,
         stall_time=result.cost.stall_time, solve_time=result.stats.solve_time, lower_bound=result.stats.lower_bound,
         gap=result.stats.gap,
-        shortfall=device_shortfall(st.model.hardware, static=_static(st.model), peak=sim.peak_bytes), solve=result,
+        shortfall=device_shortfall(st.model.hardware, static=st.model.static_bytes, peak=sim.peak_bytes), solve=result,
         peak_reserved_bytes=sim.peak_reserved_bytes if is_cuda_hardware(st.model.hardware.name) else None)
-
-
-def _static(model: StepModel) -> int:
-    return model.static_bytes
 
 
 def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[Budget]:
@@ -192,14 +188,14 @@ def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[B
     for s in range(layout.pipeline_stages):
         mine = [st for st in stages if st.index == s]
         shared = mine[0].model.profile.static.buffers  # whole in every chunk's model, held once by the rank
-        static = sum(_static(st.model) for st in mine) - (len(mine) - 1) * shared
+        static = sum(st.model.static_bytes for st in mine) - (len(mine) - 1) * shared
         room = budget.total - static
         if room <= 0:
             raise DeviceMemoryError(f"stage {s}: static memory {fmt_bytes(static)} (parameters, gradients, optimizer "
                                     f"state of its {len(mine)} chunks) exceeds the budget {fmt_bytes(budget.total)}; "
                                     "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
         keep = [max(1, activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)) for st in mine]
-        out += [Budget(total=_static(st.model) + int(room * k / sum(keep))) for st, k in zip(mine, keep)]
+        out += [Budget(total=st.model.static_bytes + int(room * k / sum(keep))) for st, k in zip(mine, keep)]
     return out
 
 
@@ -237,7 +233,7 @@ def rank_figures(plan: Plan, stages: list[Stage], results: list[SolveResult],
     return ranks, step
 
 
-def _stages(profile: Profile, layout: Layout, hardware: HardwareSpec | None) -> list[Stage]:
+def stages_of(profile: Profile, layout: Layout, hardware: HardwareSpec | None) -> list[Stage]:
     if layout.chunks == 1:
         model = StepModel.build(profile, hardware=hardware)
         return [Stage(0, range(profile.num_layers), in_flight(layout)[0][0], model)]
@@ -294,7 +290,7 @@ def search(profile: Profile | str | Path, *, budget: int | str | None = None,
                  tensor_parallel=tensor_parallel, virtual_pipeline_stages=virtual_pipeline_stages,
                  data_parallel=data_parallel, sequence_parallel=sequence_parallel, schedule=schedule)
     lay = merge_layout(profile.model.get("layout"), given)
-    stages = _stages(profile, lay, hw)
+    stages = stages_of(profile, lay, hw)
     results: list[StageResult] = []
     for st, stage_budget in zip(stages, chunk_budgets(stages, spec.budget, lay)):
         results.append(_solve_stage(st, stage_budget, spec, lay, solver, options, progress))

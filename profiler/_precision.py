@@ -92,13 +92,15 @@ PRECISIONS: dict[str, Precision] = {
 }
 
 
-def precision_of(name: str | Precision | None) -> Precision | None:
-    """The recipe named ``name`` (None: no recipe, the model's own dtypes count)."""
-    if name is None or isinstance(name, Precision):
+def precision_of(name: str | Precision | None, *, key: str = "precision",
+                 optional: bool = True) -> Precision | None:
+    """The recipe named ``name`` (None, where ``optional``: no recipe, the model's own dtypes count); a
+    :class:`PrecisionError` naming ``key`` otherwise."""
+    if (name is None and optional) or isinstance(name, Precision):
         return name
-    recipe = PRECISIONS.get(str(name).lower()) if isinstance(name, str) else None
+    recipe = PRECISIONS.get(name.lower()) if isinstance(name, str) else None
     if recipe is None:
-        raise PrecisionError(f"precision={name!r}: expected one of {', '.join(PRECISIONS)}")
+        raise PrecisionError(f"{key}={name!r}: expected one of {', '.join(PRECISIONS)}")
     return recipe
 
 

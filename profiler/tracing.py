@@ -6,6 +6,7 @@ Not part of the user API (``profiler.__all__``); the other packages of adaptive-
 
 from ._compiled import check_backend
 from ._fake_ops import install_fake_fallbacks
+from ._precision import precision_of
 from ._recorder import OpEvent, Recorder, local_shard, no_cycle
 from ._saved import SavedOutputs, saved_output_units, saved_outputs
 from ._shard import ParameterSplit, collective_time, parameter_split, rank_static, tp_roles
@@ -14,5 +15,6 @@ from ._step import StepTarget
 from ._timing import timed
 
 __all__ = ["OpEvent", "ParameterSplit", "Recorder", "SavedOutputs", "StepTarget", "check_backend",
-           "collective_time", "install_fake_fallbacks", "local_shard", "no_cycle", "parameter_split", "rank_static",
-           "saved_output_units", "saved_outputs", "static_memory", "timed", "tp_roles", "unique_bytes"]
+           "collective_time", "install_fake_fallbacks", "local_shard", "no_cycle", "parameter_split",
+           "precision_of", "rank_static", "saved_output_units", "saved_outputs", "static_memory", "timed",
+           "tp_roles", "unique_bytes"]

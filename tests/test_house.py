@@ -1,6 +1,7 @@
-"""The code and its documents describe what the code does and why, never its history: no issue numbers
-("#17", "issue 16"), no work sessions ("session 3"), no "used to". A counting allocator's session is
-legitimate runtime vocabulary and is not matched: only "session" followed by a number is."""
+"""The code and its documents describe what the code does and why, never its history: no issue numbers, no
+numbered work sessions, no past habits of the code. A counting allocator's session is legitimate runtime
+vocabulary and is not matched: only the word followed by a number is. The samples below are the patterns'
+own test data (this file is not searched)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,11 @@ FOLDERS = ("adaptive_mem", "profiler", "search", "tests", "docs", "benchmarks")
 SUFFIXES = {".py", ".md", ".cpp", ".yaml", ".yml", ".txt", ".toml"}
 
 # Note: [house history words] each pattern names history, not code:
-# - "#17", "(#5)": an issue number; a hex colour ("#1f77b4") or a markdown anchor ("#profiler") is no match;
-# - "issue 16", "Issue #19", "issue-14": an issue number;
-# - "session 3", "Session 8's": a work session (an allocator's "session" takes no number);
-# - "used to" as the past ("it used to run"); the passive after a form of "be" ("is used to store") is no
-#   match, so write a passive with its verb ("the bytes that are used to store it").
+# - a hash and one or two digits: an issue number; a hex colour or a markdown anchor is no match;
+# - the word issue with a number (a space, hyphen or hash between): an issue number;
+# - the word session with a number: a work session (an allocator's session takes no number);
+# - the past habit "used to <verb>"; the passive after a form of "be" ("is used to store") is no match, so
+#   write a passive with its verb ("the bytes that are used to store it").
 HISTORY = re.compile(
     r"(?<![\w&])#\d{1,2}\b"
     r"|\b[Ii]ssue[ -]?#?\d+"

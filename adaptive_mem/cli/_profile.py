@@ -8,7 +8,7 @@ from pathlib import Path
 
 import profiler
 import torch
-from profiler.tracing import parameter_split
+from profiler.tracing import parameter_split, precision_of
 from search import fmt_bytes
 from search.planning import device_shortfall
 
@@ -74,11 +74,9 @@ def build_from_args(args: argparse.Namespace):
 
 def precision_arg(name: str | None, dtype: str) -> profiler.Precision | None:
     """The recipe ``--precision`` names (None without one); ``--dtype`` other than its model dtype is refused."""
-    if name is None:
-        return None
-    recipe = profiler.PRECISIONS.get(name.lower())
+    recipe = precision_of(name, key="--precision")
     if recipe is None:
-        raise profiler.PrecisionError(f"--precision={name!r}: expected one of {', '.join(profiler.PRECISIONS)}")
+        return None
     wanted = str(recipe.model_dtype).removeprefix("torch.")
     if DTYPES.get(str(dtype).lower()) not in (torch.float32, recipe.model_dtype):  # --dtype's default: the recipe's
         raise profiler.PrecisionError(f"--dtype={dtype!r} with --precision={recipe.name}: expected --dtype {wanted} "

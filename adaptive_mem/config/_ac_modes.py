@@ -33,7 +33,8 @@ from ._errors import ConfigError, fmt
 from ._megatron import plan_from_megatron
 from ._names import LayerNames
 
-__all__ = ["AC_MODES", "ac_plan", "profile_names", "titan_layer_policy", "titan_op_policy", "whole_layer_policy"]
+__all__ = ["AC_MODES", "ac_plan", "parse_ac_mode", "profile_names", "titan_layer_policy", "titan_op_policy",
+           "whole_layer_policy"]
 
 AC_MODES = ("none", "full", "op", "layer:N", "megatron-selective", "megatron-full", "hf")
 """The mode names ``ac_plan`` takes; ``layer:N`` with N an integer >= 1."""
@@ -92,7 +93,7 @@ def whole_layer_policy(index: int) -> Action:
     return Action.RECOMPUTE
 
 
-def _parse(mode: object) -> tuple[str, int]:
+def parse_ac_mode(mode: object) -> tuple[str, int]:
     """``(name, N)`` of a mode (N only for ``layer:N``, else 0); ConfigError naming the value and the forms."""
     expected = f"expected one of {', '.join(AC_MODES)} (N an integer >= 1)"
     if not isinstance(mode, str):
@@ -170,7 +171,7 @@ def ac_plan(mode: str, profile: Profile) -> Plan:
     layer. The plan carries the profile's fingerprint and ``meta.ac_mode`` / ``meta.ac_source``. Raises
     ConfigError for an unknown mode, a profile without layers, or (Megatron selective) a model without an
     attention core unit."""
-    name, every = _parse(mode)
+    name, every = parse_ac_mode(mode)
     if not isinstance(profile, Profile):
         raise ConfigError(f"profile={fmt(profile)}: expected a profiler.Profile")
     if profile.layer_info() is None:
