@@ -42,4 +42,20 @@ PRESETS: dict[str, Preset] = {
                     num_kv_heads=8, max_seq_len=4096),
         batch_size=1, seq_len=4096, purpose="fake-tensor planning only",
     ),
+    # Llama 3 / 3.1 shapes from Meta's published configs (params.json): 8B, 70B, 405B
+    "llama3-8b": Preset(
+        LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32, num_heads=32,
+                    num_kv_heads=8, max_seq_len=8192, rope_theta=500000.0),
+        batch_size=1, seq_len=8192, purpose="fake-tensor planning only",
+    ),
+    "llama3-70b": Preset(
+        LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                    num_kv_heads=8, max_seq_len=8192, rope_theta=500000.0),
+        batch_size=1, seq_len=8192, purpose="fake-tensor planning only",
+    ),
+    "llama3-405b": Preset(
+        LlamaConfig(vocab_size=128256, hidden_size=16384, intermediate_size=53248, num_layers=126, num_heads=128,
+                    num_kv_heads=8, max_seq_len=8192, rope_theta=500000.0),
+        batch_size=1, seq_len=8192, purpose="fake-tensor planning only",
+    ),
 }
