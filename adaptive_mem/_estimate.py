@@ -4,7 +4,8 @@
 tensors (``device="meta"``) in the precision recipe's dtype and profiled for the named hardware
 (``profiler.profile_step``), cut to one rank's share of the parallel layout (``profiler.shard_profile``), its
 activation-checkpointing mode turned into a plan (``ac_plan``; ``ours``: :func:`adaptive_mem.search` under the
-device's memory) and the plan simulated per pipeline stage as :func:`adaptive_mem.search` does. Throughput is
+device's memory) and the plan simulated per pipeline stage as :func:`adaptive_mem.search` does; with ``compile`` the
+profile is first rewritten to the model compiled per block (``profiler.compiled_estimate``). Throughput is
 tokens per GPU per second; MFU is model FLOPs (:func:`model_flops_per_token`) over the hardware's peak
 half-precision FLOPs.
 """
@@ -62,6 +63,8 @@ class EstimateResult:
     precision: str
     ac: str
     layout: Layout
+    compile: bool = False
+    """The blocks run compiled by inductor (modelled: ``profiler.compiled_estimate``)."""
     plan: Plan | None = field(default=None, repr=False)
     """The plan simulated (for ``ac="ours"`` the one searched; None when no plan fits)."""
     note: str | None = None
@@ -75,6 +78,8 @@ class EstimateResult:
         out["layout"] = self.layout.to_dict()
         if self.ac == "ours":
             out["plan"] = self.plan.to_dict() if self.plan is not None else None
+        if self.compile:
+            out["compile"] = True
         if self.note:
             out["note"] = self.note
         return out
@@ -219,14 +224,18 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
              pipeline_stages: int | None = None, virtual_pipeline_stages: int | None = None,
              data_parallel: int | None = None, micro_batches: int | None = None,
              sequence_parallel: bool | None = None, zero: int | None = None, schedule: str | None = None,
-             solver: str = "milp") -> EstimateResult:
+             solver: str = "milp", compile: bool = False) -> EstimateResult:
     """Predicted per-rank peak memory, step time, tokens/s per GPU and MFU of training ``model`` (a model spec
     as :func:`adaptive_mem.build_model` takes it, or ``hf:path/to/config.json``: a local Hugging Face config) on ``gpus`` devices of ``hardware`` (``h100``, ``h200``,
     ``a100``, ``ascend-910b``) under the precision recipe ``precision`` (``profiler.PRECISIONS``) with the AC
     mode ``ac`` (``ESTIMATE_AC_MODES``). ``batch_size`` is the micro-batch; the layout keys are
     :func:`adaptive_mem.search`'s, and ``gpus`` must equal their product (data parallel filled in when not
-    given: Note: [GPUs per layout]). Bad arguments raise a ``ValueError`` subclass naming the key."""
+    given: Note: [GPUs per layout]). ``compile``: every block compiled by inductor, torchtitan's layout (its saved
+    bytes and times modelled: ``profiler.compiled_estimate``, Note: [compile model]). Bad arguments raise a
+    ``ValueError`` subclass naming the key."""
     ac, name = _check_ac(ac), _check_hardware(hardware)
+    if not isinstance(compile, bool):
+        raise EstimateError(f"compile={compile!r}: expected True or False")
     recipe = precision_of(precision, key="--precision", optional=False)
     given = dict(tensor_parallel=tensor_parallel, pipeline_stages=pipeline_stages, micro_batches=micro_batches,
                  virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
@@ -239,6 +248,8 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
     # the spec for the dtype matmuls compute in: under autocast the parameters are fp32, the matmuls not
     spec = profiler.hardware_spec(name, dtype=getattr(torch, recipe.compute))
     whole = profiler.profile_step(bundle, hardware=spec, optimizer="adam", precision=recipe.name)
+    if compile:
+        whole = profiler.compiled_estimate(whole)
     rank = _rank_profile(whole, bundle, lay, name)
     lay = Layout.from_dict(rank.model["layout"]) if rank.model.get("layout") else lay
     plan, allocated, step, note = _figures(rank, ac, lay, solver)
@@ -252,4 +263,4 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
         fits=reserved <= capacity, peak_allocated_bytes=int(allocated), peak_reserved_bytes=reserved,
         step_time_s=float(step), tokens_per_s_per_gpu=per_gpu, mfu=flops * per_gpu / profiler.HARDWARE[name].half_flops,
         headroom_bytes=capacity - reserved, device_memory_bytes=capacity, hardware=name, gpus=n,
-        precision=recipe.name, ac=ac, layout=lay, plan=plan, note=note)
+        precision=recipe.name, ac=ac, layout=lay, compile=compile, plan=plan, note=note)

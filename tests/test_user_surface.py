@@ -31,7 +31,7 @@ EXPECTED: dict[str, set[str]] = {
                "--sequence-parallel", "--zero", "--schedule"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
     "estimate": {"--model", "--model-args", "--hardware", "--gpus", "--precision", "--batch-size", "--seq-len",
-                 "--ac", "--solver", "--json", "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
+                 "--ac", "--solver", "--json", "--compile", "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
                  "--data-parallel", "--micro-batches", "--sequence-parallel", "--zero", "--schedule"},
     "pareto": {"<profile>", "--hardware", "--solvers", "--points", "-o", "--output"},
     "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
@@ -91,7 +91,7 @@ PUBLIC = {
         "OpRecord", "PRECISIONS", "PROFILE_FORMAT", "PROFILE_VERSION", "Precision", "PrecisionError", "Profile",
         "ProfileError", "SCHEDULES", "StaticMemory",
         "UnitRecord", "format_summary", "hardware_spec", "is_cuda_hardware", "machinery_scope", "measure_cpu", "measure_device",
-        "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile"},
+        "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile", "compiled_estimate"},
     "search": {
         "Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
         "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",

@@ -34,6 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"activation checkpointing: {', '.join(ESTIMATE_AC_MODES)} (ours: the fastest plan "
                              "under the device's memory; default none)")
     parser.add_argument("--solver", default="milp", metavar="NAME", help="the solver of --ac ours (default milp)")
+    parser.add_argument("--compile", action="store_true",
+                        help="every block compiled by inductor (torch.compile per block): saved bytes and times "
+                             "modelled on the fake profile")
     parser.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     add_layout_arguments(parser)
 
@@ -44,7 +47,8 @@ def render(result: EstimateResult, spec: str) -> list[str]:
     fit = (f"yes, {fmt_bytes(result.headroom_bytes)} to spare" if result.fits
            else f"no, {fmt_bytes(-result.headroom_bytes)} over")
     lines = [f"{spec} on {result.gpus} x {result.hardware} (TP{lay.tensor_parallel} PP{lay.pipeline_stages} "
-             f"DP{lay.data_parallel}, ZeRO {lay.zero}, {result.precision}, ac {result.ac})",
+             f"DP{lay.data_parallel}, ZeRO {lay.zero}, {result.precision}, ac {result.ac}"
+             f"{', compiled' if result.compile else ''})",
              f"peak per rank       allocated {fmt_bytes(result.peak_allocated_bytes)}, reserved "
              f"{fmt_bytes(result.peak_reserved_bytes)} of {fmt_bytes(result.device_memory_bytes)}",
              f"fits                {fit}",
@@ -63,7 +67,7 @@ def render(result: EstimateResult, spec: str) -> list[str]:
 def run(args: argparse.Namespace) -> int:
     result = estimate(args.model, hardware=args.hardware, gpus=args.gpus, precision=args.precision,
                       batch_size=args.batch_size, seq_len=args.seq_len, ac=args.ac, model_args=args.model_args,
-                      solver=args.solver, **given_flags(args))
+                      solver=args.solver, compile=args.compile, **given_flags(args))
     if args.json:
         print(json.dumps(result.to_dict(), sort_keys=False))
     else:
