@@ -155,3 +155,20 @@ def test_ours_fits_where_keep_all_does_not():
     assert runs["ours"].peak_reserved_bytes <= runs["ours"].device_memory_bytes
     assert runs["ours"].tokens_per_s_per_gpu > runs["full"].tokens_per_s_per_gpu
     assert runs["ours"].plan.decisions and "plan" in runs["ours"].to_dict()
+
+
+def test_compile_saves_memory_and_time(seven_b):
+    """Inductor per block modelled (Note: [compile model]): pointwise chains recomputed and fused."""
+    compiled = am.estimate("llama2-7b", ac="none", compile=True, **SEVEN_B)
+    eager = seven_b["none"]
+    assert compiled.compile and not eager.compile
+    assert compiled.peak_allocated_bytes < eager.peak_allocated_bytes
+    assert compiled.step_time_s < eager.step_time_s and compiled.mfu > eager.mfu
+    assert compiled.to_dict()["compile"] is True and "compile" not in eager.to_dict()
+
+
+def test_compile_from_the_cli_with_an_autocast_recipe(capsys):
+    assert main(["estimate", "--model", "llama-tiny", "--precision", "amp-bf16", "--ac", "op", "--compile"]) == 0
+    assert "amp-bf16, ac op, compiled)" in capsys.readouterr().out
+    with pytest.raises(am.EstimateError, match=r"^compile='yes': expected True or False$"):
+        am.estimate("llama-tiny", compile="yes")
