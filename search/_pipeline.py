@@ -145,10 +145,15 @@ def stage_static(profile: Profile, layers: range, *, first: bool, last: bool) ->
         share = (sum(split[q + 1] for q in layers) + (split[0] if first else 0) + (split[-1] if last else 0)) / sum(split)
     st = profile.static
     gradients = int(st.gradients * share)
-    layout = Layout.from_dict(profile.model["layout"]) if profile.model.get("layout") else Layout()
-    other = st.other - ddp_bucket_bytes(st.gradients, layout) + ddp_bucket_bytes(gradients, layout)
+    recorded = _recorded_layout(profile)
+    other = st.other - ddp_bucket_bytes(st.gradients, recorded) + ddp_bucket_bytes(gradients, recorded)
     return replace(st, parameters=int(st.parameters * share), gradients=gradients, master=int(st.master * share),
                    optimizer_state=int(st.optimizer_state * share), other=other)
+
+
+def _recorded_layout(profile: Profile) -> Layout:
+    """The layout ``profiler.shard_profile`` cut the profile to (its ZeRO stage that of the run)."""
+    return Layout.from_dict(profile.model["layout"]) if profile.model.get("layout") else Layout()
 
 
 @dataclass(frozen=True)
@@ -185,7 +190,8 @@ def stage_statics(profile: Profile, layout: Layout) -> list[StageStatic]:
                  for c in range(v)]
         summed = {k: sum(getattr(part, k) for part in parts) for k in ("parameters", "gradients", "master",
                                                                       "optimizer_state", "other")}
-        summed["other"] -= (v - 1) * (profile.static.other - ddp_bucket_bytes(profile.static.gradients, layout))
+        summed["other"] -= (v - 1) * (profile.static.other - ddp_bucket_bytes(profile.static.gradients,
+                                                                              _recorded_layout(profile)))
         out.append(StageStatic(s, tuple(ranges[s]), s == 0, s == p - 1, replace(parts[0], **summed)))
     return out
 

@@ -115,7 +115,11 @@ def test_profile_and_simulate_speak_of_the_busiest_stage(tmp_path, capsys, caplo
     with caplog.at_level(logging.WARNING):
         assert main(args) == 0
     out = capsys.readouterr().out
-    assert "one rank of pipeline stage 0 of 16 (layers 0-7 and the embedding), the busiest: static" in out
+    line = next(x for x in out.splitlines() if x.startswith("one rank of pipeline stage 0 of 16"))
+    assert line.startswith("one rank of pipeline stage 0 of 16 (layers 0-7 and the embedding), the busiest: static "
+                           "205.66 GiB: parameters 51.41 GiB, gradients 51.41 GiB, optimizer state 102.83 GiB; "
+                           "keep-all peak ")
+    assert line.endswith(" with 16 micro-batches in flight")  # 1F1B: min(P - 0, M) on stage 0
     # 8 bytes per element of 8 layers and the embedding, whole (no TP): 205.66 GiB, not the 3023.84 GiB of all
     expected = ("one rank of pipeline stage 0 of 16 (layers 0-7 and the embedding), the busiest: parameters, "
                 "gradients and optimizer state (205.66 GiB) exceed the h100's 80.00 GiB of device memory by "
