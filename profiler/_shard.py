@@ -116,7 +116,9 @@ def tp_roles(profile: Profile, linears: frozenset[str]) -> dict[str, str]:
 def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit,
                 precision: Precision | None = None) -> StaticMemory:
     """One rank's parameters, gradients, master weights and optimizer state (before the pipeline split by stage):
-    each figure divided by DP from its ZeRO stage on (``SHARDED_FROM``)."""
+    each figure divided by DP from its ZeRO stage on (``SHARDED_FROM``); FSDP2's gathered layers and
+    reduce-scatter buffers added to ``buffers`` (``fsdp_buffer_bytes``), DDP's gradient buckets to ``other``
+    (``ddp_bucket_bytes``)."""
     t, d, z = layout.tensor_parallel, layout.data_parallel, layout.zero
     scale = (split.shardable / t + split.total - split.shardable) / split.total if split.total else 1.0
     figures = {key: int(getattr(static, key) * scale / (d if z >= stage else 1)) for key, stage in SHARDED_FROM.items()}

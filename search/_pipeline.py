@@ -110,7 +110,6 @@ def _boundary_bytes(profile: Profile, layers: range, *, last: bool) -> tuple[int
 def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last: bool,
          hardware: HardwareSpec | None, gradients: str = "per-step") -> StepModel:
     """The step model of ``layers`` (units before the layers on the ``first`` stage, after them on the ``last``)."""
-    n = profile.num_layers
     first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
     def mine(i: int, layer: int | None) -> bool:
         if layer is not None:
