@@ -80,7 +80,7 @@ def test_megatron_distributed_optimizer_without_zero_is_six_plus_twelve_over_d()
     assert rank.static.total - rank.static.buffers == 6 * N + 12 * N // 8
 
 
-def test_fsdp2_shards_everything_and_gathers_a_whole_bf16_layer():
+def test_fsdp2_shards_everything_beside_its_gathered_layers_and_reduce_scatter():
     rank = _rank("fsdp2-bf16", 0)
     assert rank.model["layout"]["zero"] == 3
     st = rank.static

@@ -213,3 +213,16 @@ def test_data_parallel_link_is_recorded_for_the_search():
                                   data_parallel_bandwidth=50e9)
     assert (rank.model["interconnect_bandwidth"], rank.model["data_parallel_bandwidth"]) == (450e9, 50e9)
     assert profiler.Profile.from_dict(rank.to_dict()).model["data_parallel_bandwidth"] == 50e9
+
+
+def test_search_times_data_parallel_collectives_on_the_recorded_link():
+    """Note: [group links] the DP gradient all-reduce of a rank takes 450 / 50 = 9 times longer on the slower link."""
+    bundle = am.build_model("llama-tiny", device="meta")
+    whole = profiler.profile_step(bundle, hardware="h100")
+    split = parameter_split(bundle.model, whole.layer_info(), tensor_parallel=1)
+    comm = {}
+    for link in (None, 50e9):
+        rank = profiler.shard_profile(whole, layout=Layout(data_parallel=4), split=split, interconnect=450e9,
+                                      data_parallel_bandwidth=link)
+        comm[link] = am.search(rank, budget="100%").ranks[0]["comm_time"]
+    assert comm[50e9] == pytest.approx(9 * comm[None])
