@@ -15,7 +15,7 @@ from adaptive_mem.cli._main import main
 from profiler import Layout
 from profiler.tracing import ddp_bucket_bytes, group_bandwidth, parameter_split
 from search import Plan
-from search.planning import busiest_stage, split_layout, stage_statics
+from search.planning import busiest_stage, data_parallel_comm, split_layout, stage_statics
 
 
 def _layer(h: int, kv: int, f: int) -> int:
@@ -226,3 +226,15 @@ def test_search_times_data_parallel_collectives_on_the_recorded_link():
                                       data_parallel_bandwidth=link)
         comm[link] = am.search(rank, budget="100%").ranks[0]["comm_time"]
     assert comm[50e9] == pytest.approx(9 * comm[None])
+
+
+def test_fsdp2_gathers_bf16_copies_of_its_fp32_shards():
+    """fsdp2-bf16's all-gathers move the bf16 parameters the forward reads: half the fp32 shards' bytes; its
+    reduce-scatter moves the fp32 gradients."""
+    kw = dict(gradient_bytes=1000, parameter_bytes=1000, layers=4, forward_time=1.0, backward_time=2.0,
+              bandwidth=1000.0)
+    layout = Layout(data_parallel=4, zero=3)
+    plain, fsdp2 = data_parallel_comm(layout, **kw), data_parallel_comm(layout, precision="fsdp2-bf16", **kw)
+    assert plain.total == 0.75 + 2 * 0.75  # reduce-scatter, then forward and backward all-gathers of 3/4 x 1000
+    assert fsdp2.total == 0.75 + 2 * 0.375
+    assert data_parallel_comm(layout, precision="bf16", **kw) == plain
