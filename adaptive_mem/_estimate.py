@@ -20,7 +20,7 @@ from typing import Any
 import profiler
 import torch
 from profiler import Layout, Profile
-from profiler.tracing import parameter_split, precision_of
+from profiler.tracing import group_bandwidth, parameter_split, precision_of
 from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel
 from search.planning import reserved_at_peak, resolve, simulate_assignment
 
@@ -184,8 +184,11 @@ def _rank_profile(profile: Profile, bundle: Any, layout: Layout, hardware: str) 
     if layout == Layout():
         return profile
     split = parameter_split(bundle.model, profile.layer_info(), tensor_parallel=layout.tensor_parallel)
-    link = profiler.HARDWARE[hardware].interconnect_bandwidth
-    return profiler.shard_profile(profile, layout=layout, split=split, interconnect=link)
+    sheet = profiler.HARDWARE[hardware]
+    return profiler.shard_profile(profile, layout=layout, split=split,
+                                  interconnect=group_bandwidth(sheet, layout.tensor_parallel),
+                                  data_parallel_bandwidth=group_bandwidth(
+                                      sheet, layout.tensor_parallel * layout.data_parallel))
 
 
 def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]:

@@ -212,7 +212,9 @@ def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_lay
         parameter_bytes=sum(m.profile.static.parameters for m in models) * (d if z >= 3 else 1),
         layers=sum(len(st.layers) for st, _ in mine), forward_time=sum(m.forward_time for m in models),
         backward_time=sum(m.backward_time for m in models),
-        bandwidth=float(models[0].profile.model.get("interconnect_bandwidth") or 0.0))
+        bandwidth=float(models[0].profile.model.get("data_parallel_bandwidth")
+                        or models[0].profile.model.get("interconnect_bandwidth") or 0.0),
+        precision=models[0].profile.model.get("precision"))
     return {"stage": s, "predicted_peak_bytes": int(peak), "micro_batch_time": busy,
             "optimizer_time": mine[0][0].model.profile.optimizer_time * share,
             "comm_time": comm.total, "exposed_comm_time": comm.exposed}

@@ -18,15 +18,23 @@ all-reduce is not modelled (one per step).
 Static memory per rank (``rank_static``): the bytes of TP-shardable modules (linears, embeddings)
 divided by TP; under ZeRO-1/2/3 over DP the optimizer state and master weights, then the gradients, then the
 parameters divided by DP (``profiler._precision.SHARDED_FROM``; a precision recipe may raise the stage:
-``megatron-bf16``'s distributed optimizer is ZeRO-1, ``fsdp2-bf16`` ZeRO-3); under ZeRO-3 the unsharded
-parameters of the layer in flight (gathered for its forward and backward, Note: [gathered copy]) are held
-beside them: recorded in ``buffers``, which pipeline stage splits do not scale.
+``megatron-bf16``'s distributed optimizer is ZeRO-1, ``fsdp2-bf16`` ZeRO-3); under ZeRO-3 FSDP2's unsharded
+layers and reduce-scatter buffers (Note: [gathered copy]) are held beside them, recorded in ``buffers``, which
+pipeline stage splits do not scale; under DDP (ZeRO 0 over several DP ranks) its gradient buckets (Note: [DDP
+gradient buckets]), recorded in ``other``, which a pipeline stage holds for its own gradients
+(``search._pipeline.stage_static``).
+
+Note: [row-parallel output] a row-parallel linear's matmul writes a whole partial sum on every rank (the
+all-reduce, or under SP the reduce-scatter, makes it whole or splits it afterwards): its output bytes are not
+divided by TP; its saved bytes, times and FLOPs are. Under SP the saved bytes of every unit of a layer are
+divided by TP (Korthikanti et al. 2022, section 4.2.2); without it the norms' and the residual stream's stay whole.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, replace
+from typing import Any
 
 from torch import nn
 
@@ -36,7 +44,8 @@ from ._precision import PRECISIONS, SHARDED_FROM, Precision, precision_layout
 from ._profile import OpRecord, Profile, StaticMemory, UnitRecord
 from ._units import LayerInfo
 
-__all__ = ["ParameterSplit", "parameter_split", "rank_static", "shard_profile", "tp_roles", "collective_time"]
+__all__ = ["ParameterSplit", "collective_time", "ddp_bucket_bytes", "fsdp_buffer_bytes", "group_bandwidth",
+           "parameter_split", "rank_static", "shard_profile", "tp_roles"]
 
 _LINEARS = ("Linear", "Conv1D", "NonDynamicallyQuantizableLinear")
 _SHARDABLE = (*_LINEARS, "Embedding")
@@ -107,28 +116,65 @@ def tp_roles(profile: Profile, linears: frozenset[str]) -> dict[str, str]:
 def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit,
                 precision: Precision | None = None) -> StaticMemory:
     """One rank's parameters, gradients, master weights and optimizer state (before the pipeline split by stage):
-    each figure divided by DP from its ZeRO stage on (``SHARDED_FROM``)."""
+    each figure divided by DP from its ZeRO stage on (``SHARDED_FROM``); FSDP2's gathered layers and
+    reduce-scatter buffers added to ``buffers`` (``fsdp_buffer_bytes``), DDP's gradient buckets to ``other``
+    (``ddp_bucket_bytes``)."""
     t, d, z = layout.tensor_parallel, layout.data_parallel, layout.zero
     scale = (split.shardable / t + split.total - split.shardable) / split.total if split.total else 1.0
-    figures = {key: getattr(static, key) * scale / (d if z >= stage else 1) for key, stage in SHARDED_FROM.items()}
-    gathered = 0
-    if z >= 3:
-        gathered = int(split.layer if _gathered_whole(precision) else split.layer * (d - 1) / d)
-    return replace(static, **{key: int(value) for key, value in figures.items()}, buffers=static.buffers + gathered)
+    figures = {key: int(getattr(static, key) * scale / (d if z >= stage else 1)) for key, stage in SHARDED_FROM.items()}
+    gathered = fsdp_buffer_bytes(split.layer, layout=layout, precision=precision)
+    return replace(static, **figures, buffers=static.buffers + gathered,
+                   other=static.other + ddp_bucket_bytes(figures["gradients"], layout))
 
 
-def _gathered_whole(precision: Precision | None) -> bool:
-    """Note: [gathered copy] ZeRO-3 gathers the layer in flight in the dtype the forward reads parameters in
-    (``Precision.model_dtype``). Gathered in the stored dtype, its other DP shards join the rank's own (``(d - 1) /
-    d`` of the layer's bytes); a recipe that stores parameters wider (``fsdp2-bf16``: fp32 shards, bf16 gathered)
-    casts into a whole new copy beside the shard: the layer's bytes in the model dtype, which
-    ``ParameterSplit.layer`` counts on a model built in it."""
-    return precision is not None and precision.parameters != precision.model_dtype.itemsize
+def fsdp_buffer_bytes(layer: int, *, layout: Layout, precision: Precision | None) -> int:
+    """Note: [gathered copy] what FSDP2 (ZeRO-3) holds beside a rank's shards at the activation peak, the start
+    of backward, for layers of ``layer`` unsharded bytes in the dtype the forward reads them in
+    (``ParameterSplit.layer``, on a model built in ``Precision.model_dtype``). Read from
+    ``torch/distributed/fsdp/_fully_shard``: ``_fsdp_collectives.foreach_all_gather`` gathers a layer into a new
+    flat buffer of the whole layer in the parameter dtype (the rank's own shard copied in, the sharded parameters
+    kept), copied out into the unsharded parameters; ``_fsdp_param_group`` gathers the next layer while the
+    current one computes (implicit forward prefetch, and backward prefetch), so at the start of backward the last
+    layer's parameters (gathered for its backward) and the previous layer's (prefetched) are unsharded: two
+    layers. ``foreach_reduce`` packs each layer's unsharded gradients into a reduce-scatter input of the whole
+    layer in the reduce dtype (the recipe's gradient bytes: fp32 for ``fsdp2-bf16``) and a ``1 / d`` output shard,
+    held until the reduce-scatter is waited on, while the previous layer's backward runs: one layer's."""
+    d = layout.data_parallel
+    if layout.zero < 3 or d == 1 or layer <= 0:
+        return 0
+    reduce = layer if precision is None else layer * precision.gradients // precision.model_dtype.itemsize
+    return 2 * layer + reduce + reduce // d
 
 
-def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float) -> Profile:
+def ddp_bucket_bytes(gradient_bytes: int, layout: Layout) -> int:
+    """The runtime's rule (Note: [DDP gradient buckets] in ``adaptive_mem/adaptive/_wrappers.py``) on a rank's
+    figures: DDP without ZeRO on several data-parallel ranks holds flat buckets beside ``.grad`` for the whole
+    step, as many bytes as the gradients in their dtype, under its default ``gradient_as_bucket_view=False``
+    (the only form modelled)."""
+    return gradient_bytes if layout.zero == 0 and layout.data_parallel > 1 else 0
+
+
+def group_bandwidth(sheet: Any, ranks_span: int) -> float:
+    """Note: [group links] the bytes/s a collective over a group of ranks gets on the datasheet ``sheet`` (a
+    ``profiler.HARDWARE`` entry): ``interconnect_bandwidth`` (the link inside a node) while the group's ranks lie
+    within ``gpus_per_node`` consecutive GPUs (8 where the sheet does not say), else ``internode_bandwidth``
+    (``interconnect_bandwidth`` where the sheet does not say). Ranks are laid out as Megatron-LM's default order
+    and torchtitan's device mesh lay them: tensor parallel innermost, then data parallel, pipeline stages
+    outermost: a TP group spans ``t`` GPUs, a DP group ``t x d``."""
+    inside = float(sheet.interconnect_bandwidth)
+    if ranks_span <= int(getattr(sheet, "gpus_per_node", 8) or 8):
+        return inside
+    return float(getattr(sheet, "internode_bandwidth", inside) or inside)
+
+
+def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float,
+                  data_parallel_bandwidth: float | None = None) -> Profile:
     """The profile of one rank under ``layout`` (its pipeline stage is cut later, by the search), with the
-    layout recorded in ``model.layout``: at least the ZeRO stage of the profile's precision recipe."""
+    layout recorded in ``model.layout``: at least the ZeRO stage of the profile's precision recipe.
+    ``interconnect``: the tensor-parallel group's link, recorded as ``model.interconnect_bandwidth``;
+    ``data_parallel_bandwidth``: the data-parallel group's (``group_bandwidth``), recorded as
+    ``model.data_parallel_bandwidth`` when given (the search times DP/ZeRO collectives on it, else on the
+    interconnect)."""
     layout = precision_layout(layout, PRECISIONS.get(profile.model.get("precision", "")))
     t = layout.tensor_parallel
     roles = tp_roles(profile, split.linears) if t > 1 else {}
@@ -146,7 +192,8 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
             remap[i] = len(ops)
             new_ids.append(len(ops))
             pending.append((len(ops), op.consumers))
-            ops.append(replace(op, index=len(ops), output_bytes=int(op.output_bytes * f),
+            out = 1.0 if roles.get(unit.name) == "row" else f  # Note: [row-parallel output]
+            ops.append(replace(op, index=len(ops), output_bytes=int(op.output_bytes * out),
                                saved_bytes=int(op.saved_bytes * f), fwd_time=op.fwd_time * f,
                                bwd_time=op.bwd_time * f, flops=int(op.flops * f)))
         units.append(_sum_unit(unit, [ops[k] for k in new_ids], new_ids))
@@ -160,7 +207,10 @@ def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, in
     for k, old in pending:
         ops[k] = replace(ops[k], consumers=sorted({remap[c] for c in old if c in remap and remap[c] > k}))
     units = [replace(u, consumers=[after[u.name]]) if u.name in after else u for u in units]
-    return _rank_profile(profile, ops, units, layout=layout, split=split, interconnect=interconnect)
+    sharded = _rank_profile(profile, ops, units, layout=layout, split=split, interconnect=interconnect)
+    if data_parallel_bandwidth is None:
+        return sharded
+    return replace(sharded, model={**sharded.model, "data_parallel_bandwidth": float(data_parallel_bandwidth)})
 
 
 def _shard_factors(profile: Profile, layout: Layout, roles: dict[str, str]) -> list[float]:
@@ -209,7 +259,8 @@ def _rank_profile(profile: Profile, ops: list[OpRecord], units: list[UnitRecord]
     step = profile.step_time + sum(o.fwd_time + o.bwd_time for o in ops) \
         - sum(o.fwd_time + o.bwd_time for o in profile.ops)
     touched = profile.static.total - profile.static.buffers  # the optimizer step reads and writes these
-    ratio = (static.total - static.buffers) / touched if touched else 1.0
+    buckets = ddp_bucket_bytes(static.gradients, layout)  # the optimizer step does not touch them
+    ratio = (static.total - static.buffers - buckets) / touched if touched else 1.0
     return replace(profile, model=model, ops=ops, units=units, static=static, peak_memory=int(peak),
                    step_time=max(0.0, step), optimizer_time=profile.optimizer_time * ratio)
 

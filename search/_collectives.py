@@ -3,22 +3,23 @@ how much of it compute does not hide.
 
 Tensor-parallel collectives are units of the profile (``profiler._shard``): they sit on the critical
 path, as Megatron runs them. The collectives here run on their own stream beside compute
-(Note: [comm overlap]), ring times from ``profiler.tracing.collective_time``, the DP ranks on one interconnect:
+(Note: [comm overlap]), ring times from ``profiler.tracing.collective_time``, on the DP group's link (the rank's
+``model.data_parallel_bandwidth``, Note: [group links]):
 
 * gradients, once per step (the last micro-batch's backward): all-reduce (ZeRO 0/1) or
   reduce-scatter (ZeRO 2/3), in per-layer buckets issued as backward finishes each layer, so they
   overlap the backward of the layers still to run; the last bucket is always exposed;
 * ZeRO 1/2: all-gather of the updated parameter shards after the optimizer step: exposed;
-* ZeRO 3 (FSDP): all-gather of each layer's parameters before its forward and again before its
-  backward, every micro-batch, prefetched one layer ahead: hidden behind the previous layer's
-  compute except the first layer's gather in each pass.
+* ZeRO 3 (FSDP): all-gather of each layer's parameters (in the dtype the forward reads them in) before its
+  forward and again before its backward, every micro-batch, prefetched one layer ahead: hidden behind the
+  previous layer's compute except the first layer's gather in each pass.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from profiler import Layout
+from profiler import PRECISIONS, Layout
 from profiler.tracing import collective_time
 
 from ._comm_stream import schedule_collectives
@@ -45,13 +46,19 @@ def _overlapped(comm: float, compute: float, layers: int) -> float:
 
 
 def data_parallel_comm(layout: Layout, *, gradient_bytes: int, parameter_bytes: int, layers: int,
-                       forward_time: float, backward_time: float, bandwidth: float) -> CommTime:
+                       forward_time: float, backward_time: float, bandwidth: float,
+                       precision: str | None = None) -> CommTime:
     """Per-rank DP/ZeRO communication for one step. ``gradient_bytes`` / ``parameter_bytes``: the rank's
-    unsharded-by-DP gradients and parameters (TP and PP already applied); ``forward_time`` /
-    ``backward_time``: one micro-batch on this rank; ``layers``: the rank's layers (bucket count)."""
+    unsharded-by-DP gradients and parameters as stored (TP and PP already applied); ``forward_time`` /
+    ``backward_time``: one micro-batch on this rank; ``layers``: the rank's layers (bucket count);
+    ``precision``: the profile's recipe (``profiler.PRECISIONS``), whose all-gathers move the parameters in the
+    dtype the forward reads them in (``fsdp2-bf16``: bf16 copies of fp32 shards, half the stored bytes)."""
     d, z, m = layout.data_parallel, layout.zero, layout.micro_batches
     if d == 1:
         return CommTime(0.0, 0.0)
+    recipe = PRECISIONS.get(precision or "")
+    if recipe is not None:
+        parameter_bytes = parameter_bytes * recipe.model_dtype.itemsize // recipe.parameters
     grads = collective_time(gradient_bytes, ranks=d, bandwidth=bandwidth,
                             kind="reduce_scatter" if z >= 2 else "all_reduce")
     total, exposed = grads, _overlapped(grads, backward_time, layers)

@@ -4,20 +4,21 @@ Under 1F1B, stage ``s`` of ``P`` holds the activations of ``min(P - s, M)`` micr
 its peak (``M`` micro-batches per step), so early stages need more aggressive plans (the
 seed's DeepSeek-V3 recompute list ``[3, 4, 4, ..., 3, 2, 0]``). Layers are split evenly
 (earlier stages take the remainder); units before the layers live on stage 0, units after
-them on the last stage. Static memory is split in proportion to each stage's layer count.
+them on the last stage. Static memory is split by each stage's share of the parameters (Note: [stage static]).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from profiler import Layout
-from profiler import HardwareSpec, Profile
+from profiler import HardwareSpec, Layout, Profile, StaticMemory
+from profiler.tracing import ddp_bucket_bytes
 
 from ._model import StepModel
 from ._plan import Plan, PlanError
 
-__all__ = ["Stage", "split_layout", "split_stages", "merge_plans"]
+__all__ = ["Stage", "StageStatic", "busiest_stage", "merge_plans", "split_layout", "split_stages", "stage_static",
+           "stage_statics"]
 
 
 @dataclass(frozen=True)
@@ -109,7 +110,6 @@ def _boundary_bytes(profile: Profile, layers: range, *, last: bool) -> tuple[int
 def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last: bool,
          hardware: HardwareSpec | None, gradients: str = "per-step") -> StepModel:
     """The step model of ``layers`` (units before the layers on the ``first`` stage, after them on the ``last``)."""
-    n = profile.num_layers
     first_layer = next((i for i, u in enumerate(profile.units) if u.layer is not None), len(profile.units))
     def mine(i: int, layer: int | None) -> bool:
         if layer is not None:
@@ -118,13 +118,7 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
     keep = [u for i, u in enumerate(profile.units) if mine(i, u.layer)]
     names = {u.name for u in keep}
     outside = frozenset(u.name for u in profile.units if u.name not in names)
-    share = len(layers) / max(n, 1)
-    split = profile.gradient_split
-    if len(split) == n + 2 and sum(split):  # the stage's own parameters: its layers, the embedding, the head
-        share = (sum(split[q + 1] for q in layers) + (split[0] if first else 0) + (split[-1] if last else 0)) / sum(split)
-    st = profile.static
-    static = replace(st, parameters=int(st.parameters * share), gradients=int(st.gradients * share),
-                     master=int(st.master * share), optimizer_state=int(st.optimizer_state * share))
+    static = stage_static(profile, layers, first=first, last=last)
     saved = sum(u.saved_bytes for u in keep) + (profile.saved_input_bytes if first else 0)
     boundary = whole.boundary if last else 0
     # the base StepModel.build derives for ``gradients``: the boundary it takes from peak_memory stays whole.boundary
@@ -133,6 +127,77 @@ def _cut(profile: Profile, whole: StepModel, layers: range, *, first: bool, last
                   peak_memory=resident + saved + boundary,
                   step_time=sum(u.fwd_time + u.bwd_time for u in keep))
     return StepModel.build(sub, hardware=hardware, outside=outside, gradients=gradients)
+
+
+def stage_static(profile: Profile, layers: range, *, first: bool, last: bool) -> StaticMemory:
+    """Note: [stage static] one rank's static memory on the pipeline chunk of ``layers`` (the embedding on the
+    ``first``, the head on the ``last``): parameters, gradients, master weights and optimizer state in proportion
+    to the chunk's share of the profile's gradient bytes (``gradient_split``: its layers, plus the positions
+    before the layers on the first chunk and after them on the last), by layer count without a split; module
+    buffers and ZeRO-3's gathered layers (``buffers``) whole; what the profile holds beside the step
+    (``other``) whole, but for data-parallel gradient buckets, which follow the gradients
+    (``profiler.tracing.ddp_bucket_bytes``)."""
+    n = profile.num_layers
+    share = len(layers) / max(n, 1)
+    split = profile.gradient_split
+    if len(split) == n + 2 and sum(split):  # the stage's own parameters: its layers, the embedding, the head
+        share = (sum(split[q + 1] for q in layers) + (split[0] if first else 0) + (split[-1] if last else 0)) / sum(split)
+    st = profile.static
+    gradients = int(st.gradients * share)
+    recorded = _recorded_layout(profile)
+    other = st.other - ddp_bucket_bytes(st.gradients, recorded) + ddp_bucket_bytes(gradients, recorded)
+    return replace(st, parameters=int(st.parameters * share), gradients=gradients, master=int(st.master * share),
+                   optimizer_state=int(st.optimizer_state * share), other=other)
+
+
+def _recorded_layout(profile: Profile) -> Layout:
+    """The layout ``profiler.shard_profile`` cut the profile to (its ZeRO stage that of the run)."""
+    return Layout.from_dict(profile.model["layout"]) if profile.model.get("layout") else Layout()
+
+
+@dataclass(frozen=True)
+class StageStatic:
+    """One pipeline rank's static memory (its chunks together) and where its layers are."""
+
+    index: int
+    layers: tuple[range, ...]
+    """Global layer indices of its chunks."""
+    first: bool
+    """It holds the units before the layers (the embedding)."""
+    last: bool
+    """It holds the units after the layers (the final norm, the head and the loss)."""
+    static: StaticMemory
+
+    def describe(self, stages: int) -> str:
+        """``pipeline stage 0 of 16 (layers 0-7 and the embedding)``."""
+        spans = ", ".join(f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start) for r in self.layers if len(r))
+        ends = [what for what, here in (("the embedding", self.first), ("the head", self.last)) if here]
+        where = " and ".join([f"layers {spans}" if spans else "no layers", *ends])
+        return f"pipeline stage {self.index} of {stages} ({where})"
+
+
+def stage_statics(profile: Profile, layout: Layout) -> list[StageStatic]:
+    """Per pipeline rank of ``layout``, its static memory: its chunks' ``stage_static`` (Note: [stage static])
+    summed, module buffers, gathered layers and ``other`` once (a rank holds them once)."""
+    from ._schedules import chunk_layers
+
+    p, v = layout.pipeline_stages, layout.virtual_pipeline_stages
+    ranges = chunk_layers(profile.num_layers, layout)
+    out = []
+    for s in range(p):
+        parts = [stage_static(profile, ranges[s][c], first=s == 0 and c == 0, last=s == p - 1 and c == v - 1)
+                 for c in range(v)]
+        summed = {k: sum(getattr(part, k) for part in parts) for k in ("parameters", "gradients", "master",
+                                                                      "optimizer_state", "other")}
+        summed["other"] -= (v - 1) * (profile.static.other - ddp_bucket_bytes(profile.static.gradients,
+                                                                              _recorded_layout(profile)))
+        out.append(StageStatic(s, tuple(ranges[s]), s == 0, s == p - 1, replace(parts[0], **summed)))
+    return out
+
+
+def busiest_stage(profile: Profile, layout: Layout) -> StageStatic:
+    """The pipeline rank with the most static memory (the earliest of equals)."""
+    return max(stage_statics(profile, layout), key=lambda st: (st.static.total, -st.index))
 
 
 def merge_plans(plans: list[Plan], stages: list[Stage], *, micro_batches: int) -> Plan:

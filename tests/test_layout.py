@@ -80,7 +80,8 @@ def test_rank_static_zero_hand_figures():
     for zero in (1, 2, 3):
         st = rank_static(static, layout=Layout(tensor_parallel=2, data_parallel=4, zero=zero), split=split)
         figures[zero] = (st.parameters, st.gradients, st.optimizer_state, st.buffers)
-    assert figures == {1: (600, 600, 600, 0), 2: (600, 150, 600, 0), 3: (150, 150, 600, 75)}  # 75 = 100 * 3/4 gathered
+    # Note: [gathered copy] 325 = two gathered layers of 100, one layer's reduce-scatter input 100 and its output 25
+    assert figures == {1: (600, 600, 600, 0), 2: (600, 150, 600, 0), 3: (150, 150, 600, 325)}
 
 
 def test_data_parallel_comm_overlap_hand_figures():

@@ -70,7 +70,8 @@ def test_zero_stages_over_eight_ranks(name, zero):
     assert static.gradients == (g * N // 8 if zero >= 2 else g * N)
     assert static.parameters == (p * N // 8 if zero >= 3 else p * N)
     layer_bytes = LAYER * PRECISIONS[name].model_dtype.itemsize
-    assert static.buffers == (int(layer_bytes * 7 / 8) if zero >= 3 else 0)  # the other shards of the layer
+    # Note: [gathered copy] two unsharded layers, one layer's reduce-scatter input in the gradient dtype and its shard
+    assert static.buffers == (2 * layer_bytes + g * LAYER + g * LAYER // 8 if zero >= 3 else 0)
 
 
 def test_megatron_distributed_optimizer_without_zero_is_six_plus_twelve_over_d():
@@ -79,12 +80,12 @@ def test_megatron_distributed_optimizer_without_zero_is_six_plus_twelve_over_d()
     assert rank.static.total - rank.static.buffers == 6 * N + 12 * N // 8
 
 
-def test_fsdp2_shards_everything_and_gathers_a_whole_bf16_layer():
+def test_fsdp2_shards_everything_beside_its_gathered_layers_and_reduce_scatter():
     rank = _rank("fsdp2-bf16", 0)
     assert rank.model["layout"]["zero"] == 3
     st = rank.static
     assert (st.parameters, st.gradients, st.master, st.optimizer_state) == (4 * N // 8, 4 * N // 8, 0, 8 * N // 8)
-    assert st.buffers == 2 * LAYER  # the bf16 copy beside the fp32 shard
+    assert st.buffers == 2 * (2 * LAYER) + 4 * LAYER + 4 * LAYER // 8  # two bf16 layers, fp32 reduce-scatter
 
 
 def test_rank_static_without_a_recipe_is_unchanged():

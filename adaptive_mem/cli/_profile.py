@@ -8,9 +8,9 @@ from pathlib import Path
 
 import profiler
 import torch
-from profiler.tracing import parameter_split, precision_of
+from profiler.tracing import group_bandwidth, parameter_split, precision_of
 from search import fmt_bytes
-from search.planning import device_shortfall
+from search.planning import busiest_stage, device_shortfall, keep_all, simulate_assignment, split_layout
 
 from adaptive_mem._model_spec import DTYPES, FORMS, build_model
 from adaptive_mem.config._layout import positive_int
@@ -131,21 +131,45 @@ def run(args: argparse.Namespace) -> int:
     if layout != profiler.Layout():
         result = _shard(result, bundle, layout)
     print(profiler.format_summary(result, top=top))
-    shortfall = device_shortfall(result.hardware, static=result.static.total)
+    static, where = result.static.total, ""
+    if layout.pipeline_stages > 1:
+        static, where = _busiest_rank(result)
+    shortfall = device_shortfall(result.hardware, static=static)
     if shortfall:
-        log.warning("%s", shortfall)
+        log.warning("%s%s", where, shortfall)
     if output is not None:
         result.save(output)
         log.info("profile written to %s", output)
     return 0
 
 
+def _busiest_rank(result: profiler.Profile) -> tuple[int, str]:
+    """Print the static memory and keep-all peak of one rank of the pipeline stage with the most static memory
+    (Note: [stage static]); return its static bytes and the phrase naming it."""
+    layout = profiler.Layout.from_dict(result.model["layout"])
+    busiest = busiest_stage(result, layout)
+    mine = [st for st in split_layout(result, layout=layout) if st.index == busiest.index]
+    peak = sum(simulate_assignment(st.model, keep_all(st.model), in_flight=st.in_flight).peak_bytes for st in mine)
+    peak -= (len(mine) - 1) * result.static.buffers  # held once by the rank, in each chunk's model
+    static, where = busiest.static, f"one rank of {busiest.describe(layout.pipeline_stages)}, the busiest: "
+    print(f"{where}static {fmt_bytes(static.total)}: parameters {fmt_bytes(static.parameters)}, gradients "
+          f"{fmt_bytes(static.gradients)}, optimizer state {fmt_bytes(static.optimizer_state)}"
+          + (f", master weights {fmt_bytes(static.master)}" if static.master else "")
+          + (f", buffers {fmt_bytes(static.buffers)}" if static.buffers else "")
+          + (f", beside the step {fmt_bytes(static.other)}" if static.other else "")
+          + f"; keep-all peak {fmt_bytes(peak)} with {sum(st.in_flight for st in mine)} micro-batches in flight")
+    return static.total, where
+
+
 def _shard(result: profiler.Profile, bundle, layout: profiler.Layout) -> profiler.Profile:
     """One rank's share of the profiled step (``profiler.shard_profile``)."""
     split = parameter_split(bundle.model, result.layer_info(), tensor_parallel=layout.tensor_parallel)
     sheet = profiler.HARDWARE.get(result.hardware.name)
-    link = sheet.interconnect_bandwidth if sheet is not None else 0.0
-    shared = profiler.shard_profile(result, layout=layout, split=split, interconnect=link)
+    link = group_bandwidth(sheet, layout.tensor_parallel) if sheet is not None else 0.0  # Note: [group links]
+    spans = layout.tensor_parallel * layout.data_parallel  # a DP group's ranks (Note: [group links])
+    dp_link = group_bandwidth(sheet, spans) if sheet is not None else None
+    shared = profiler.shard_profile(result, layout=layout, split=split, interconnect=link,
+                                    data_parallel_bandwidth=dp_link)
     log.info("cut to one rank of %s: static %s -> %s, saved activations %s -> %s",
              ", ".join(f"{k}={v}" for k, v in layout.to_dict().items() if v != getattr(profiler.Layout(), k)),
              fmt_bytes(result.static.total), fmt_bytes(shared.static.total), fmt_bytes(result.saved_bytes),

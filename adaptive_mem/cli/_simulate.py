@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import logging
 
-from profiler import is_cuda_hardware
+from profiler import Layout, is_cuda_hardware
 from search import Plan, StepModel, fmt_bytes, simulate
-from search.planning import device_shortfall
+from search.planning import busiest_stage, device_shortfall
 from search.planning import check_plan_matches
 
 from ._common import add_profile_arguments, check_output_path, load
@@ -45,9 +45,13 @@ def run(args: argparse.Namespace) -> int:
     print(f"stall time          {sim.stall_time:.6f} s")
     print(f"recompute time      {sim.recompute_time:.6f} s")
     print(f"swapped per step    {fmt_bytes(sim.swapped_bytes)}")
-    shortfall = device_shortfall(model.hardware, static=model.static_bytes, peak=sim.peak_bytes)
+    shortfall, where = device_shortfall(model.hardware, static=model.static_bytes, peak=sim.peak_bytes), ""
+    if layout.get("pipeline_stages", 1) > 1:  # the whole-model peak is no rank's: judge the busiest rank's static
+        busiest = busiest_stage(profile, Layout.from_dict(layout))
+        where = f"one rank of {busiest.describe(layout['pipeline_stages'])}, the busiest: "
+        shortfall = device_shortfall(model.hardware, static=busiest.static.total)
     if shortfall:
-        log.warning("%s", shortfall)
+        log.warning("%s%s", where, shortfall)
     if args.timeline:
         assert sim.timeline is not None
         sim.timeline.plot(args.timeline, title=f"simulated step: {args.plan}")
