@@ -334,7 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write every row's figures and checks to this file")
     args = parser.parse_args(argv)
     print("SIMULATION on fake tensors, no GPU: predicted figures against the published measured ones")
-    print(f"compile: {'modelled' if COMPILE_MODELLED else 'not modelled by estimate here: compiled runs simulated eager'}")
+    eager = "not modelled by estimate here: compiled runs simulated eager"
+    print(f"compile: {'modelled' if COMPILE_MODELLED else eager}")
     results = []
     for name in _selected(args.rows):
         res = evaluate_seed() if name == SEED_NAME else evaluate(next(r for r in ROWS if r.name == name))
