@@ -8,6 +8,12 @@ mm, bmm, addmm, baddbmm, convolution), its memory traffic at ``memory_bandwidth 
 takes the longer of the two. The dtype is the one of its first floating-point tensor argument: under autocast
 the recorder sees the kernels after the cast, so an amp-bf16 matmul is priced as bf16 whatever the parameters'
 dtype. Guarded by ``tests/test_hardware_specs.py``.
+
+Note: [causal attention FLOPs] ``op_flops`` counts an SDPA call's full ``S x S`` score matrix (as
+``torch.utils.flop_counter`` does), causal or not; a causal flash / memory-efficient kernel skips the blocks above
+the diagonal and does about half of that work, and the published kernel TFLOPS the efficiencies come from count
+causal runs' FLOPs halved the same way. A causal call is therefore priced at half its counted FLOPs (its recorded
+``flops`` stay the counted ones); the non-causal efficiency is assumed for it.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ._profile import HardwareSpec
 
-__all__ = ["ATTENTION_OPS", "compute_dtype", "estimate_seconds", "memory_seconds", "op_bytes", "op_flops", "op_seconds"]
+__all__ = ["ATTENTION_OPS", "compute_dtype", "estimate_seconds", "is_causal", "memory_seconds", "op_bytes", "op_flops",
+           "op_seconds"]
 
 _aten = torch.ops.aten
 
@@ -113,8 +120,21 @@ def estimate_seconds(hardware: HardwareSpec, *, flops: int, nbytes: int, dtype: 
     return max(compute, memory_seconds(hardware, nbytes))
 
 
+def is_causal(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    """Whether an attention call is causal: its ``is_causal`` argument (False for ops without one)."""
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "is_causal":
+            if arg.name in kwargs:
+                return bool(kwargs[arg.name])
+            return bool(args[i]) if i < len(args) else bool(arg.has_default_value() and arg.default_value)
+    return False
+
+
 def op_seconds(hardware: HardwareSpec, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: object,
                flops: int) -> float:
     """Estimated seconds of one aten call with ``flops`` FLOPs on ``hardware`` (Note: [op pricing])."""
+    attention = func.overloadpacket in ATTENTION_OPS
+    if attention and is_causal(func, args, kwargs):
+        flops //= 2  # Note: [causal attention FLOPs]
     return estimate_seconds(hardware, flops=flops, nbytes=op_bytes(args, kwargs, out),
-                            dtype=compute_dtype(args, kwargs), attention=func.overloadpacket in ATTENTION_OPS)
+                            dtype=compute_dtype(args, kwargs), attention=attention)

@@ -69,6 +69,9 @@ def test_attention_is_priced_at_the_attention_efficiency(name):
     assert _SDPA.overloadpacket in ATTENTION_OPS
     expected = flops / (HARDWARE[name].half_flops * HARDWARE[name].attention_efficiency)
     assert op_seconds(spec, _SDPA, (q, q, q), {}, q, flops) == pytest.approx(expected)
+    # Note: [causal attention FLOPs] a causal kernel skips the blocks above the diagonal: half the counted FLOPs
+    assert op_seconds(spec, _SDPA, (q, q, q, 0.0, True), {}, q, flops) == pytest.approx(expected / 2)
+    assert op_seconds(spec, _SDPA, (q, q, q), {"is_causal": True}, q, flops) == pytest.approx(expected / 2)
 
 
 @pytest.mark.parametrize("name", list(HARDWARE))
