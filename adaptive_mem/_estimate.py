@@ -207,13 +207,20 @@ def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]
     return max(r["predicted_peak_bytes"] for r in ranks), step
 
 
+def _allocated_budget(profile: Profile) -> int:
+    """Allocated bytes whose modelled reserve fills the device (Note: [reserved from allocated]): ``ours`` is searched
+    under them, so its plan fits as ``fits`` judges it (on reserved bytes)."""
+    capacity = int(profile.hardware.device_memory)
+    return 2 * capacity - reserved_bytes(capacity, profile)
+
+
 def _figures(profile: Profile, ac: str, layout: Layout, solver: str) -> tuple[Plan | None, int, float, str | None]:
     """(plan, peak bytes, step seconds, note) of the AC mode on one rank's profile."""
     if ac != "ours":
         plan = ac_plan(ac, profile)
         return (plan, *_simulate(profile, plan, layout), None)
     try:
-        found = search(profile, budget=int(profile.hardware.device_memory), solver=solver)
+        found = search(profile, budget=_allocated_budget(profile), solver=solver)
     except (InfeasibleBudgetError, DeviceMemoryError) as exc:
         plan = ac_plan("full", profile)
         note = f"no plan fits the device's memory ({' '.join(str(exc).split())}); figures of full recompute"

@@ -1,7 +1,9 @@
 """Named hardware specs for estimating step times on fake tensors, and link/CPU measurements.
 
-Datasheet numbers are peak figures (dense, no sparsity); estimates made from
-them are lower bounds on real time. ``cpu`` is measured on this machine.
+Datasheet numbers are peak figures (dense, no sparsity), each with the fractions of them that published
+microbenchmarks reach (GEMM, fused attention, HBM copy, collectives' bus bandwidth): estimates price every op at
+its kernel's achieved rate (Note: [op pricing], ``profiler/_cost.py``). No figure here was measured by this
+project on a GPU. ``cpu`` is measured on this machine (efficiency 1: its rates are measured).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ class HardwareError(ValueError):
 
 @dataclass(frozen=True)
 class _Datasheet:
+    """One device's datasheet peaks and the fractions of them its kernels reach in published microbenchmarks
+    (each figure cited beside it in :data:`HARDWARE`)."""
+
     fp32_flops: float
     half_flops: float
     """bf16/fp16 dense tensor-core (cube) throughput."""
@@ -40,41 +45,122 @@ class _Datasheet:
     device_memory: int
     source: str
     interconnect_bandwidth: float = 0.0
-    """Intra-node device-to-device link (NVLink, HCCS), per direction: the bus bandwidth the
-    collectives of a parallel layout are timed at (``profiler._shard``)."""
+    """Intra-node device-to-device link (NVLink, HCCS), per direction, line rate."""
+    matmul_efficiency: float = 1.0
+    """Achieved / peak TFLOPS of a large dense GEMM (cuBLAS / CANN through ``torch.matmul``)."""
+    attention_efficiency: float = 1.0
+    """Achieved / peak TFLOPS of the fused attention kernel ``F.scaled_dot_product_attention`` dispatches to."""
+    memory_efficiency: float = 1.0
+    """Achieved / peak HBM bandwidth of a STREAM-like device copy."""
+    collective_efficiency: float = 1.0
+    """Achieved bus bandwidth of the collective library (nccl-tests / HCCL test busbw, 8 devices of one node) over
+    the intra-node line rate."""
+    internode_bandwidth: float = 0.0
+    """Inter-node network bytes/s per device, per direction, line rate (one NIC per device)."""
+    gpus_per_node: int = 8
+    """Devices sharing one node's intra-node link (NVSwitch, HCCS mesh)."""
+    efficiency_source: str = ""
+    """Where the efficiencies come from (the comments of :data:`HARDWARE` give each figure and its shape)."""
 
+    @property
+    def effective_interconnect(self) -> float:
+        """Bus bandwidth a ring collective reaches inside a node: ``interconnect_bandwidth x
+        collective_efficiency`` (the bandwidth ``profiler.tracing.collective_time`` should be given)."""
+        return self.interconnect_bandwidth * self.collective_efficiency
+
+    @property
+    def effective_internode(self) -> float:
+        """Bus bandwidth a ring collective reaches across nodes, assuming the intra-node protocol efficiency:
+        ``internode_bandwidth x collective_efficiency``."""
+        return self.internode_bandwidth * self.collective_efficiency
+
+
+_NVLINK_RING = 370 / 450
+"""NCCL on NVLink 4 (8 GPUs, NVSwitch): github.com/NVIDIA/nccl-tests/issues/212, the NCCL maintainer (sjeaugey):
+450 GB/s is the line rate, protocol overhead leaves an effective 370 GB/s busbw for ring collectives and every
+collective but all-reduce (all-reduce with NVLink SHARP peaks at ~480 GB/s busbw, large sizes). Our collectives
+are timed as rings (all-gather, reduce-scatter), so the ring figure."""
+_H100_GEMM = 797.51 / 989.4
+"""github.com/zzc0721/torch-performance-test-data/issues/79: ``torch.matmul`` bf16 8192 x 8192 x 8192 on an H100
+80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77)."""
+_H100_SDPA = 329.483 / 989.4
+"""github.com/pytorch/pytorch/issues/142132: ``F.scaled_dot_product_attention`` with its default (flash,
+FlashAttention-2) backend on an H100, forward, batch 1, 24 heads, seq 4608, head dim 128: 329.5 TFLOPS (cuDNN
+attention 631, not picked by default). The FlashAttention-3 post (pytorch.org blog, 2024-07-11) gives
+FlashAttention-2 35 % of the H100 peak. No published backward figure of the default backend at head dim 128 was
+found: the forward's fraction is assumed for both."""
+_HBM_COPY = 0.90
+"""No citable STREAM / BabelStream copy figure for these parts was found in the sources searched; assumed 0.90
+of the datasheet bandwidth (about 3.0 TB/s on an H100 SXM5)."""
 
 HARDWARE: dict[str, _Datasheet] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): FP32 67 TFLOPS, BF16 989.4 TFLOPS dense
     # (1979 with sparsity), HBM3 3.35 TB/s, 80 GB; host link PCIe Gen5 x16 = 64 GB/s per direction.
-    "h100": _Datasheet(67 * TFLOPS, 989.4 * TFLOPS, 3.35e12, 64 * GB, 80 * 2**30,
-                       "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
-                       interconnect_bandwidth=450 * GB),  # NVLink 4: 900 GB/s bidirectional per GPU
+    # NVLink 4: 900 GB/s bidirectional per GPU; DGX H100: 8 GPUs, 8x 400 Gb/s InfiniBand NDR = 50 GB/s per GPU.
+    "h100": _Datasheet(
+        67 * TFLOPS, 989.4 * TFLOPS, 3.35e12, 64 * GB, 80 * 2**30,
+        "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H100 8x IB NDR 400 Gb/s",
+        interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
+        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        efficiency_source="GEMM: torch-performance-test-data#79 (bf16 8192^3, 797.5 TFLOPS); SDPA: "
+                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS); HBM: assumed 0.90; NCCL: "
+                          "nccl-tests#212 (ring busbw 370 of 450 GB/s)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
-    # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction.
-    "h200": _Datasheet(67 * TFLOPS, 989.4 * TFLOPS, 4.8e12, 64 * GB, 141 * 10**9,
-                       "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s",
-                       interconnect_bandwidth=450 * GB),  # NVLink 4: 900 GB/s bidirectional per GPU
-    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense,
-    # HBM2e 2039 GB/s, 80 GB; PCIe Gen4 x16 = 32 GB/s per direction.
-    "a100": _Datasheet(19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
-                       "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s",
-                       interconnect_bandwidth=300 * GB),  # NVLink 3: 600 GB/s bidirectional per GPU
-    # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16
-    # host interface (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32
-    # figure was found, so FP32 is assumed to run at 1/4 of the FP16 cube rate. The 8 NPUs of an
-    # Atlas 800T A2 are a full mesh of HCCS links, 7 x 56 GB/s = 392 GB/s bidirectional per NPU (Huawei's
-    # public Atlas 800T A2 / 910B figures; HCCL bus bandwidth measured in practice is lower).
-    "ascend-910b": _Datasheet(313 * TFLOPS / 4, 313 * TFLOPS, 1.6e12, 64 * GB, 64 * 2**30,
-                              "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16; HCCS 392 GB/s",
-                              interconnect_bandwidth=196 * GB),
+    # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction; NVLink 4; DGX H200: 8x IB NDR 400 Gb/s.
+    # No H200 GEMM or SDPA microbenchmark was found: the H100's fractions (same SMs, same kernels) are assumed.
+    # NCCL: github.com/NVIDIA/nccl-tests/issues/272, 8x H200 all-reduce peak busbw 475 GB/s (NVLink SHARP,
+    # NCCL 2.20.3), the H100's NVLS figure; the ring fraction of the H100 is taken, as the link is the same.
+    "h200": _Datasheet(
+        67 * TFLOPS, 989.4 * TFLOPS, 4.8e12, 64 * GB, 141 * 10**9,
+        "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H200 8x IB NDR 400 Gb/s",
+        interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
+        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        efficiency_source="H100's GEMM and SDPA fractions assumed (same Hopper SMs); HBM: assumed 0.90; NCCL: "
+                          "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200)"),
+    # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense, HBM2e 2039 GB/s, 80
+    # GB; PCIe Gen4 x16 = 32 GB/s per direction; NVLink 3: 600 GB/s bidirectional per GPU; DGX A100: 8 GPUs, 8x 200 Gb/s
+    # InfiniBand HDR = 25 GB/s per GPU. GEMM: github.com/zzc0721/torch-performance-test-data/issues/108,
+    # ``torch.matmul`` bf16 4096^3 on an A100-PCIE-40GB (PyTorch 2.8, CUDA 12.8): 234.14 TFLOPS of 312 (its best size; a
+    # 250 W PCIe card, the 400 W SXM4 is likely faster: a lower bound). SDPA: the FlashAttention-2 paper (Dao 2023,
+    # arXiv 2307.08691) reaches 50-73 % of the A100 peak forward and backward (head dims 64/128, seq 512-16k); 0.60 is
+    # taken inside that range, the backward (the larger share of the FLOPs) being the slower. NCCL:
+    # github.com/NVIDIA/nccl-tests/issues/149, 8x A100-SXM4-80GB over NVLink (HPE Apollo 6500, NCCL 2.18): all-reduce
+    # busbw ~200 GB/s of 300.
+    "a100": _Datasheet(
+        19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
+        "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s; DGX A100 8x IB HDR 200 Gb/s",
+        interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312, attention_efficiency=0.60,
+        memory_efficiency=_HBM_COPY, collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
+        efficiency_source="GEMM: torch-performance-test-data#108 (A100 PCIe, bf16 4096^3, 234.1 TFLOPS); SDPA: "
+                          "FlashAttention-2 paper (50-73 % on A100), 0.60; HBM: assumed 0.90; NCCL: "
+                          "nccl-tests#149 (busbw ~200 of 300 GB/s)"),
+    # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16 host interface
+    # (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32 figure was found, so FP32 is
+    # assumed to run at 1/4 of the FP16 cube rate. The 8 NPUs of an Atlas 800T A2 are a full mesh of HCCS links, 7 x 56
+    # GB/s = 392 GB/s bidirectional per NPU (Huawei's public Atlas 800T A2 / 910B figures); 8x 200 Gb/s RoCE NICs = 25
+    # GB/s per NPU across nodes. GEMM: github.com/zzc0721/torch-performance-test-data/issues/109, ``torch.matmul`` bf16
+    # 8192^3 on an Ascend910B2 (torch 2.5.1 + torch_npu): 301.23 TFLOPS (fp16 4096^3: 314.52). The 910B2's own cube peak
+    # is not on a Huawei datasheet (it is above this sheet's 313 TFLOPS, which is the 910B3's), so its fraction is
+    # unknown: assumed 0.80, about the H100's measured GEMM fraction. No public TFLOPS figure of the fused attention
+    # kernel (``npu_fusion_attention``), no HBM copy figure and no HCCL busbw figure was found: attention is assumed at
+    # FlashAttention-2's H100 fraction (0.35), HBM at 0.90, HCCL at 0.80 of the HCCS line rate (about NCCL's 370 / 450
+    # protocol efficiency on NVLink).
+    "ascend-910b": _Datasheet(
+        313 * TFLOPS / 4, 313 * TFLOPS, 1.6e12, 64 * GB, 64 * 2**30,
+        "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16; HCCS 392 GB/s; 8x RoCE 200 Gb/s",
+        interconnect_bandwidth=196 * GB, matmul_efficiency=0.80, attention_efficiency=0.35,
+        memory_efficiency=_HBM_COPY, collective_efficiency=0.80, internode_bandwidth=25 * GB,
+        efficiency_source="GEMM: assumed 0.80 (torch-performance-test-data#109: 301.2 TFLOPS bf16 8192^3 on a "
+                          "910B2, whose peak is not published); SDPA, HBM, HCCL: no public figure, assumed "
+                          "0.35, 0.90, 0.80"),
 }
 
 NAMES = (*HARDWARE, "cpu")
 
 
 def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareSpec:
-    """The spec of ``name`` for ``dtype``: a datasheet, or ``cpu`` measured here."""
+    """The spec of ``name`` for ``dtype``: a datasheet (``peak_flops`` the dtype's peak; ops priced at their own
+    dtype's peak and the kernel efficiencies, Note: [op pricing]), or ``cpu`` measured here."""
     key = str(name).lower()
     if key == "cpu":
         return measure_cpu(dtype=dtype)
@@ -84,7 +170,10 @@ def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareS
     flops = sheet.fp32_flops if dtype == torch.float32 else sheet.half_flops
     return HardwareSpec(
         name=key, peak_flops=flops, memory_bandwidth=sheet.memory_bandwidth, h2d_bandwidth=sheet.link_bandwidth,
-        d2h_bandwidth=sheet.link_bandwidth, device_memory=sheet.device_memory, source=sheet.source,
+        d2h_bandwidth=sheet.link_bandwidth, device_memory=sheet.device_memory,
+        source=f"{sheet.source}; kernel efficiencies: {sheet.efficiency_source}", fp32_flops=sheet.fp32_flops,
+        half_flops=sheet.half_flops, matmul_efficiency=sheet.matmul_efficiency,
+        attention_efficiency=sheet.attention_efficiency, memory_efficiency=sheet.memory_efficiency,
     )
 
 

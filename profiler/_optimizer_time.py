@@ -16,6 +16,7 @@ import statistics
 import torch
 from torch import nn
 
+from ._cost import memory_seconds
 from ._profile import HardwareSpec
 from ._static import OPTIMIZERS
 from ._timing import timed
@@ -40,7 +41,8 @@ def _trainable(model: nn.Module) -> list[nn.Parameter]:
 
 
 def estimate_optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Optimizer, hardware: HardwareSpec) -> float:
-    """Memory-bound estimate: read p, g, state; write p, state (bytes / memory bandwidth)."""
+    """Memory-bound estimate: read p, g, state; write p, state (bytes at the achieved memory bandwidth, Note:
+    [op pricing])."""
     params = _trainable(model)
     if not params or hardware.memory_bandwidth <= 0:
         return 0.0
@@ -48,7 +50,7 @@ def estimate_optimizer_seconds(model: nn.Module, optimizer: str | torch.optim.Op
     width = params[0].element_size()
     name = optimizer.lower() if isinstance(optimizer, str) else type(optimizer).__name__.lower()
     state = OPTIMIZERS.get(name, OPTIMIZERS["adam"])
-    return numel * (3 * width + 2 * state) / hardware.memory_bandwidth
+    return memory_seconds(hardware, numel * (3 * width + 2 * state))
 
 
 def _scratch_optimizer(optimizer: str | torch.optim.Optimizer, params: list[torch.Tensor]) -> torch.optim.Optimizer:

@@ -37,7 +37,8 @@ class HardwareSpec:
     name: str
     """Short name: ``h100``, ``a100``, ``ascend-910b``, ``cpu``..."""
     peak_flops: float
-    """Dense matmul throughput in FLOP/s for the profiled dtype."""
+    """Dense matmul throughput in FLOP/s for the profiled dtype (an op is priced at the peak of the dtype it
+    computes in: ``fp32_flops`` / ``half_flops`` when known, ``profiler._cost``)."""
     memory_bandwidth: float
     """Device memory bandwidth in bytes/s."""
     h2d_bandwidth: float
@@ -59,6 +60,27 @@ class HardwareSpec:
     """Bytes/s of the disk tier of the swap store (swapped activations beyond the host memory budget go
     to memory-mapped files): the slower of writing and reading back a file. Default 1 GB/s (a
     conservative SSD); measured by ``adaptive-mem profile --calibrate`` (``profiler.measure_disk``)."""
+    fp32_flops: float = 0.0
+    """Dense fp32 matmul FLOP/s (datasheet peak), or 0 when only ``peak_flops`` is known (a measured spec, a
+    profile written before the field): fp32 ops are then priced at ``peak_flops``."""
+    half_flops: float = 0.0
+    """Dense bf16/fp16 tensor-core (cube) FLOP/s (datasheet peak), or 0 when only ``peak_flops`` is known: ops
+    computing in half precision are then priced at ``peak_flops``."""
+    matmul_efficiency: float = 1.0
+    """Fraction of the dtype's peak that dense matmul kernels (mm, bmm, addmm, baddbmm, convolution) reach, from
+    published GEMM microbenchmarks (``profiler/_hardware.py`` cites each); 1 for a measured spec."""
+    attention_efficiency: float = 1.0
+    """Fraction of the dtype's peak that fused attention kernels (flash / memory-efficient SDPA, forward and
+    backward) reach; 1 for a measured spec."""
+    memory_efficiency: float = 1.0
+    """Fraction of ``memory_bandwidth`` that memory-bound kernels reach (a STREAM-like copy); 1 for a measured
+    spec (its bandwidth is already a measured copy)."""
+
+    def __post_init__(self) -> None:
+        for key in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+                raise ProfileError(f"hardware.{key}={value!r}: expected a number in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._cost import estimate_seconds, op_bytes, op_flops
+from ._cost import op_flops, op_seconds
 from ._other_memory import MemoryMeter, OtherMemory
 from ._profile import HardwareSpec
 from ._units import UnitNamer, in_machinery, is_view_op
@@ -245,7 +245,7 @@ class Recorder(TorchDispatchMode):
         return out, time.perf_counter() - start
 
     def _estimate(self, func, args, kwargs, out, flops: int) -> float:
-        return estimate_seconds(self.hardware, flops=flops, nbytes=op_bytes(args, kwargs, out))
+        return op_seconds(self.hardware, func, args, kwargs, out, flops)  # Note: [op pricing]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -24,6 +24,8 @@ PROFILE_KEYS = [
     ("static", "other"), ("static", "optimizer_state"), ("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
     ("hardware", "h2d_bandwidth"), ("hardware", "d2h_bandwidth"), ("hardware", "device_memory"),
     ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("hardware", "disk_bandwidth"),
+    ("hardware", "fp32_flops"), ("hardware", "half_flops"), ("hardware", "matmul_efficiency"),
+    ("hardware", "attention_efficiency"), ("hardware", "memory_efficiency"),
     ("saved_input_bytes",),
     ("peak_memory",), ("step_time",), ("unattributed_time",), ("optimizer_time",), ("num_layers",),
     ("model", "batch_size"), ("model", "seq_len"),
