@@ -160,11 +160,14 @@ def group_bandwidth(sheet: Any, ranks_span: int) -> float:
     within ``gpus_per_node`` consecutive GPUs (8 where the sheet does not say), else ``internode_bandwidth``
     (``interconnect_bandwidth`` where the sheet does not say). Ranks are laid out as Megatron-LM's default order
     and torchtitan's device mesh lay them: tensor parallel innermost, then data parallel, pipeline stages
-    outermost: a TP group spans ``t`` GPUs, a DP group ``t x d``."""
-    inside = float(sheet.interconnect_bandwidth)
+    outermost: a TP group spans ``t`` GPUs, a DP group ``t x d``. Each link is taken at the bus bandwidth
+    collectives reach on it (``effective_interconnect`` / ``effective_internode``: the line rate times the sheet's
+    collective efficiency, from published nccl-tests figures) where the sheet has them."""
+    inside = float(getattr(sheet, "effective_interconnect", sheet.interconnect_bandwidth))
     if ranks_span <= int(getattr(sheet, "gpus_per_node", 8) or 8):
         return inside
-    return float(getattr(sheet, "internode_bandwidth", inside) or inside)
+    across = getattr(sheet, "effective_internode", None) or getattr(sheet, "internode_bandwidth", None)
+    return float(across or inside)
 
 
 def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float,

@@ -202,7 +202,9 @@ def test_group_bandwidth_inside_and_across_nodes():
     assert group_bandwidth(sheet, 16) == 50e9
     bare = SimpleNamespace(interconnect_bandwidth=300e9)  # a sheet without the inter-node figures
     assert group_bandwidth(bare, 64) == group_bandwidth(bare, 2) == 300e9
-    assert group_bandwidth(profiler.HARDWARE["h100"], 8) == profiler.HARDWARE["h100"].interconnect_bandwidth
+    h100 = profiler.HARDWARE["h100"]  # a datasheet: the bus bandwidth collectives reach on each link
+    assert group_bandwidth(h100, 8) == pytest.approx(h100.interconnect_bandwidth * h100.collective_efficiency)
+    assert group_bandwidth(h100, 64) == pytest.approx(h100.internode_bandwidth * h100.collective_efficiency)
 
 
 def test_data_parallel_link_is_recorded_for_the_search():
