@@ -87,6 +87,14 @@ def reserved_bytes(allocated: int, profile: Profile) -> int:
     return int(reserved_at_peak(StepModel.build(profile), int(allocated)))
 
 
+def _allocated_budget(profile: Profile) -> int:
+    """The largest allocated peak whose reserved bytes (Note: [reserved from allocated]) fit the device's memory:
+    what ``ours`` searches under, since fits is judged on the reserve."""
+    capacity = int(profile.hardware.device_memory)
+    over = reserved_bytes(0, profile)  # one segment of the largest allocation and a small one; 0 off CUDA
+    return capacity - capacity % (2 << 20) - over if over else capacity
+
+
 def model_flops_per_token(*, parameters: float, num_layers: int, hidden_size: int, seq_len: int) -> float:
     """Model FLOPs per trained token, forward and backward, recompute not counted: ``6 N + 12 L h s`` (the
     matmuls of ``N`` parameters, three times two FLOPs per multiply-add, and the attention scores and their
@@ -205,7 +213,7 @@ def _figures(profile: Profile, ac: str, layout: Layout, solver: str) -> tuple[Pl
         plan = ac_plan(ac, profile)
         return (plan, *_simulate(profile, plan, layout), None)
     try:
-        found = search(profile, budget=int(profile.hardware.device_memory), solver=solver)
+        found = search(profile, budget=_allocated_budget(profile), solver=solver)
     except (InfeasibleBudgetError, DeviceMemoryError) as exc:
         plan = ac_plan("full", profile)
         note = f"no plan fits the device's memory ({' '.join(str(exc).split())}); figures of full recompute"
