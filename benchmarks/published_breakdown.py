@@ -8,7 +8,7 @@ optimizer state, FSDP's gathered and reduce-scatter buffers), the bytes saved pe
 save them, the saved bytes outside the layers (embeddings, logits, loss), the loss/logits workspace the simulator
 holds at the start of backward beside them (``boundary``), what the published AC mode keeps, and the allocator
 reserve (reserved less allocated). For a GELU-MLP block (the MPT rows) the saved bytes per layer are set beside a
-hand count: Korthikanti et al. 2022 (table 2) without dropout masks and with flash attention (no ``s x s``
+hand count: Korthikanti et al. 2022 (section 4.1) without dropout masks and with flash attention (no ``s x s``
 terms): ``s b (16 h + 4 f)`` bytes (LayerNorm inputs 2 + 2, QKV and fc1 inputs 2 + 2, Q K V 6, attention output 2,
 GELU input and output 4 f / h) plus the logsumexp, ``4 b a s``. ``mindspeed-seed`` prints the same per pipeline
 stage of the seed table's Megatron block-recompute baselines.
