@@ -121,6 +121,17 @@ def test_amp_fake_profile_saves_bf16_matmuls_and_fp32_norms():
     assert amp.static == plain.static  # amp's static bytes are fp32's
 
 
+@pytest.mark.parametrize("dtype, nbytes", [("bf16", 4), (None, 4)])
+def test_the_loss_reads_fp32_logits(dtype, nbytes):
+    """Note: [loss in fp32] a bf16 model's logits are upcast once before cross-entropy, whose log-softmax is saved in
+    fp32; an fp32 model's logits are not copied."""
+    fake = profiler.profile_step(_fake(dtype), hardware="h100")
+    assert _unit_saved(fake, "log_softmax") == B * S * V * nbytes
+    copies = [o for o in fake.ops
+              if o.layer is None and o.op == "aten._to_copy.default" and o.output_bytes == B * S * V * 4]
+    assert len(copies) == (1 if dtype else 0)
+
+
 def test_recipe_peak_holds_what_the_model_does_not():
     bf16 = profiler.profile_step(_fake("bf16"), hardware="h100")
     megatron = profiler.profile_step(_fake("megatron-bf16"), hardware="h100", precision="megatron-bf16")
