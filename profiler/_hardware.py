@@ -61,6 +61,8 @@ class _Datasheet:
     """Devices sharing one node's intra-node link (NVSwitch, HCCS mesh)."""
     efficiency_source: str = ""
     """Where the efficiencies come from (the comments of :data:`HARDWARE` give each figure and its shape)."""
+    kernel_latency: float = 0.0
+    """Seconds a kernel takes beyond its roofline time (launch, ramp-up, tail), added to every estimated op."""
 
     @property
     def effective_interconnect(self) -> float:
@@ -87,11 +89,19 @@ _H100_SDPA = 329.483 / 989.4
 """github.com/pytorch/pytorch/issues/142132: ``F.scaled_dot_product_attention`` with its default (flash,
 FlashAttention-2) backend on an H100, forward, batch 1, 24 heads, seq 4608, head dim 128: 329.5 TFLOPS (cuDNN
 attention 631, not picked by default). The FlashAttention-3 post (pytorch.org blog, 2024-07-11) gives
-FlashAttention-2 35 % of the H100 peak. No published backward figure of the default backend at head dim 128 was
-found: the forward's fraction is assumed for both."""
+FlashAttention-2 35 % of the H100 peak. Other shapes, the causal mask and the backward pass follow the
+FlashAttention-3 paper's FlashAttention-2 curves relative to this point (Note: [flash attention shape],
+``profiler/_cost.py``)."""
 _HBM_COPY = 0.90
-"""No citable STREAM / BabelStream copy figure for these parts was found in the sources searched; assumed 0.90
-of the datasheet bandwidth (about 3.0 TB/s on an H100 SXM5)."""
+"""No STREAM / BabelStream copy figure for these parts was found; two published figures bracket 0.90 of the
+datasheet bandwidth (about 3.0 TB/s on an H100 SXM5): torchao's roofline utilities take 0.92 as the achievable
+fraction observed on Meta's H100s (github.com/pytorch/ao/issues/4054), and PyTorch's own ``torch.maximum`` on an
+H200 (github.com/tile-ai/TileOPs/issues/512, fp16, 1024 x 4096 / 10240 / 20480: 1.83 / 2.79 / 3.37 TB/s) fits
+``t = latency + bytes / bandwidth`` with 4.27 TB/s, 0.889 of 4.8 (:data:`_KERNEL_LATENCY`)."""
+_KERNEL_LATENCY = 7.8e-6
+"""The same fit's fixed part: 7.8 us per kernel (least squares over the three points, bytes read and written:
+13.8, 22.6, 37.3 us for 25, 63, 126 MB). No H100 or A100 figure was found: the H200's (same CUDA launch path) is
+taken for every NVIDIA part and assumed for the Ascend."""
 
 HARDWARE: dict[str, _Datasheet] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): FP32 67 TFLOPS, BF16 989.4 TFLOPS dense
@@ -101,9 +111,11 @@ HARDWARE: dict[str, _Datasheet] = {
         67 * TFLOPS, 989.4 * TFLOPS, 3.35e12, 64 * GB, 80 * 2**30,
         "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H100 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
-        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
         efficiency_source="GEMM: torch-performance-test-data#79 (bf16 8192^3, 797.5 TFLOPS); SDPA: "
-                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS); HBM: assumed 0.90; NCCL: "
+                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS; shape curve: arXiv 2407.08608); HBM: 0.90 "
+                          "(ao#4054, TileOPs#512); kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 (ring busbw 370 of 450 GB/s)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
     # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction; NVLink 4; DGX H200: 8x IB NDR 400 Gb/s.
@@ -114,8 +126,10 @@ HARDWARE: dict[str, _Datasheet] = {
         67 * TFLOPS, 989.4 * TFLOPS, 4.8e12, 64 * GB, 141 * 10**9,
         "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H200 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
-        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
-        efficiency_source="H100's GEMM and SDPA fractions assumed (same Hopper SMs); HBM: assumed 0.90; NCCL: "
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        efficiency_source="H100's GEMM and SDPA fractions assumed (same Hopper SMs); HBM: 0.90 (ao#4054, TileOPs#512); "
+                          "kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200)"),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense, HBM2e 2039 GB/s, 80
     # GB; PCIe Gen4 x16 = 32 GB/s per direction; NVLink 3: 600 GB/s bidirectional per GPU; DGX A100: 8 GPUs, 8x 200 Gb/s
@@ -130,9 +144,11 @@ HARDWARE: dict[str, _Datasheet] = {
         19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
         "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s; DGX A100 8x IB HDR 200 Gb/s",
         interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312, attention_efficiency=0.60,
-        memory_efficiency=_HBM_COPY, collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: torch-performance-test-data#108 (A100 PCIe, bf16 4096^3, 234.1 TFLOPS); SDPA: "
-                          "FlashAttention-2 paper (50-73 % on A100), 0.60; HBM: assumed 0.90; NCCL: "
+                          "FlashAttention-2 paper (50-73 % on A100), 0.60; HBM: 0.90 (ao#4054, TileOPs#512); kernel "
+                          "latency: 7.8 us (TileOPs#512 fit, H200); NCCL: "
                           "nccl-tests#149 (busbw ~200 of 300 GB/s)"),
     # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16 host interface
     # (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32 figure was found, so FP32 is
@@ -149,10 +165,11 @@ HARDWARE: dict[str, _Datasheet] = {
         313 * TFLOPS / 4, 313 * TFLOPS, 1.6e12, 64 * GB, 64 * 2**30,
         "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16; HCCS 392 GB/s; 8x RoCE 200 Gb/s",
         interconnect_bandwidth=196 * GB, matmul_efficiency=0.80, attention_efficiency=0.35,
-        memory_efficiency=_HBM_COPY, collective_efficiency=0.80, internode_bandwidth=25 * GB,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=0.80, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: assumed 0.80 (torch-performance-test-data#109: 301.2 TFLOPS bf16 8192^3 on a "
                           "910B2, whose peak is not published); SDPA, HBM, HCCL: no public figure, assumed "
-                          "0.35, 0.90, 0.80"),
+                          "0.35, 0.90, 0.80; kernel latency: the NVIDIA parts' 7.8 us, assumed"),
 }
 
 NAMES = (*HARDWARE, "cpu")
@@ -174,6 +191,7 @@ def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareS
         source=f"{sheet.source}; kernel efficiencies: {sheet.efficiency_source}", fp32_flops=sheet.fp32_flops,
         half_flops=sheet.half_flops, matmul_efficiency=sheet.matmul_efficiency,
         attention_efficiency=sheet.attention_efficiency, memory_efficiency=sheet.memory_efficiency,
+        kernel_latency=sheet.kernel_latency,
     )
 
 
