@@ -82,16 +82,34 @@ _NVLINK_RING = 370 / 450
 450 GB/s is the line rate, protocol overhead leaves an effective 370 GB/s busbw for ring collectives and every
 collective but all-reduce (all-reduce with NVLink SHARP peaks at ~480 GB/s busbw, large sizes). Our collectives
 are timed as rings (all-gather, reduce-scatter), so the ring figure."""
-_H100_GEMM = 797.51 / 989.4
+_H100_SUSTAINED = 719.72 / 797.51
+"""Note: [sustained clocks] a training step keeps the tensor cores busy for its whole length, and a Hopper part at
+its power limit then lowers its SM clock below the one a short microbenchmark runs at: on a B200 back-to-back
+kernels throttle after about 5 ms, the SM clock falling from 1965 to about 1580 MHz and the TFLOPS 15 %
+(github.com/flashinfer-ai/flashinfer/pull/2899); H200 runners at 700 W cannot hold a locked 1830 MHz under full
+load, 1500 MHz being what they sustain (github.com/tile-ai/TileOPs/pull/1588); triton's ``do_bench`` returns every
+iteration because H100s throttle by kernel before a steady state (github.com/triton-lang/triton/pull/4493). The
+H100 sweep of :data:`_H100_GEMM` shows it: bf16 ``torch.matmul`` at 4096 / 8192 / 10240 cubed reaches 788.7 /
+797.5 / 719.7 TFLOPS, the longest-running GEMM (10240, 3 ms a call; with 128 x 256 or 128 x 128 tiles on 132 SMs
+its last wave no emptier than 8192's) 9.8 % below the 8192 one, and fp16 (760.0 / 736.2 / 668.4) falls the same
+way. Compute-bound kernels (GEMM, fused attention) are therefore priced at their short microbenchmark's fraction
+times 719.7 / 797.5, the sweep's sustained point over its best; memory-bound kernels are not (the memory clock
+stays at its rated value while the power cap lowers the SM clock: github.com/ashalliants/ninfer-3090/pull/72, an
+RTX 3090 at its 315 W cap).
+Assumed: that the 10240 point's drop is the clock's and not cuBLAS's kernel choice, and the H100's ratio for the
+H200 (same SMs, same 700 W). The A100 and Ascend figures keep their microbenchmarks' fractions: no sweep of
+theirs shows a sustained point."""
+_H100_GEMM = 797.51 / 989.4 * _H100_SUSTAINED
 """github.com/zzc0721/torch-performance-test-data/issues/79: ``torch.matmul`` bf16 8192 x 8192 x 8192 on an H100
-80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77)."""
-_H100_SDPA = 329.483 / 989.4
+80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77), at the
+sustained clock (Note: [sustained clocks]): 0.727."""
+_H100_SDPA = 329.483 / 989.4 * _H100_SUSTAINED
 """github.com/pytorch/pytorch/issues/142132: ``F.scaled_dot_product_attention`` with its default (flash,
 FlashAttention-2) backend on an H100, forward, batch 1, 24 heads, seq 4608, head dim 128: 329.5 TFLOPS (cuDNN
 attention 631, not picked by default). The FlashAttention-3 post (pytorch.org blog, 2024-07-11) gives
 FlashAttention-2 35 % of the H100 peak. Other shapes, the causal mask and the backward pass follow the
 FlashAttention-3 paper's FlashAttention-2 curves relative to this point (Note: [flash attention shape],
-``profiler/_cost.py``)."""
+``profiler/_cost.py``). At the sustained clock (Note: [sustained clocks]): 0.301."""
 _HBM_COPY = 0.90
 """No STREAM / BabelStream copy figure for these parts was found; two published figures bracket 0.90 of the
 datasheet bandwidth (about 3.0 TB/s on an H100 SXM5): torchao's roofline utilities take 0.92 as the achievable
@@ -114,7 +132,8 @@ HARDWARE: dict[str, _Datasheet] = {
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
         collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
         efficiency_source="GEMM: torch-performance-test-data#79 (bf16 8192^3, 797.5 TFLOPS); SDPA: "
-                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS; shape curve: arXiv 2407.08608); HBM: 0.90 "
+                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS; shape curve: arXiv 2407.08608); both at "
+                          "the sustained clock, x 719.7 / 797.5 (the same sweep's 10240^3); HBM: 0.90 "
                           "(ao#4054, TileOPs#512); kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 (ring busbw 370 of 450 GB/s)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
@@ -128,7 +147,8 @@ HARDWARE: dict[str, _Datasheet] = {
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
         collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
-        efficiency_source="H100's GEMM and SDPA fractions assumed (same Hopper SMs); HBM: 0.90 (ao#4054, TileOPs#512); "
+        efficiency_source="H100's GEMM and SDPA fractions, at its sustained clock, assumed (same Hopper SMs); "
+                          "HBM: 0.90 (ao#4054, TileOPs#512); "
                           "kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200)"),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense, HBM2e 2039 GB/s, 80

@@ -191,3 +191,13 @@ def test_the_cpu_spec_is_measured_at_efficiency_one():
     assert spec.source.startswith("measured on this cpu")
     assert (spec.matmul_efficiency, spec.attention_efficiency, spec.memory_efficiency) == (1.0, 1.0, 1.0)
     assert (spec.fp32_flops, spec.half_flops) == (0.0, 0.0)  # every op at the measured peak_flops, as before
+
+
+@pytest.mark.parametrize("name", ["h100", "h200"])
+def test_hopper_compute_is_priced_at_the_sustained_clock(name):
+    """Note: [sustained clocks]: the short microbenchmarks' fractions (GEMM 797.51, flash forward 329.483 of 989.4
+    TFLOPS) times the sweep's sustained point over its best (719.72 / 797.51); memory-bound kernels unscaled."""
+    sheet = HARDWARE[name]
+    assert sheet.matmul_efficiency == pytest.approx(719.72 / 989.4)
+    assert sheet.attention_efficiency == pytest.approx(329.483 / 989.4 * 719.72 / 797.51)
+    assert sheet.memory_efficiency == 0.90
