@@ -4,10 +4,10 @@
 tensors (``device="meta"``) in the precision recipe's dtype and profiled for the named hardware
 (``profiler.profile_step``), cut to one rank's share of the parallel layout (``profiler.shard_profile``), its
 activation-checkpointing mode turned into a plan (``ac_plan``; ``ours``: :func:`adaptive_mem.search` under the
-device's memory) and the plan simulated per pipeline stage as :func:`adaptive_mem.search` does; with ``compile`` the
-profile is first rewritten to the model compiled per block (``profiler.compiled_estimate``). Throughput is
-tokens per GPU per second; MFU is model FLOPs (:func:`model_flops_per_token`) over the hardware's peak
-half-precision FLOPs.
+device's memory in reserved bytes, Note: [ours in reserved bytes]) and the plan simulated per pipeline stage as
+:func:`adaptive_mem.search` does; with ``compile`` the profile is first rewritten to the model compiled per block
+(``profiler.compiled_estimate``). Throughput is tokens per GPU per second; MFU is model FLOPs
+(:func:`model_flops_per_token`) over the hardware's peak half-precision FLOPs.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ import profiler
 import torch
 from profiler import Layout, Profile
 from profiler.tracing import group_bandwidth, parameter_split, precision_of
-from search import DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel
+from search import (DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel,
+                    fmt_bytes)
 from search.planning import reserved_at_peak, resolve, simulate_assignment
 
 from ._model_spec import build_model, parse_model_args
-from ._search import rank_figures, search, stages_of
+from ._search import SearchResult, rank_figures, search, stages_of
 from .config import AC_MODES, ConfigError, ac_plan
 from .config._ac_modes import parse_ac_mode
 from .config._layout import layout_from_given
@@ -155,7 +156,7 @@ _HF_FILE_KEYS = ("model_type", "architectures", "auto_map", "torch_dtype", "dtyp
 def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str, Any]]:
     """``hf:path/to/config.json`` (a local Hugging Face config) as ``(hf:<model_type>, model_args)``: the file's
     keys over the config class's own defaults, ``model_args`` over both."""
-    from .models._hf import HF_FAMILIES
+    from .models._hf import HF_FAMILIES, class_defaults
 
     path = Path(spec[3:])
     try:
@@ -173,8 +174,9 @@ def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str,
     except ImportError:
         raise EstimateError(f"--model={spec!r}: needs transformers (pip install 'adaptive-mem[hf]')") from None
     class_name, tiny = HF_FAMILIES[family]
-    default = getattr(transformers, class_name)()
-    args = {k: getattr(default, k) for k in tiny if hasattr(default, k)}  # not the family's tiny test shape
+    config_cls = getattr(transformers, class_name)
+    default = config_cls()
+    args = class_defaults(config_cls, tiny)  # not the family's tiny test shape; None: the class derives it
     args.update({k: v for k, v in data.items() if k not in _HF_FILE_KEYS and hasattr(default, k)})
     return f"hf:{family}", {**args, **parse_model_args(model_args)}
 
@@ -214,13 +216,41 @@ def _allocated_budget(profile: Profile) -> int:
     return 2 * capacity - reserved_bytes(capacity, profile)
 
 
+_SHRINKS = 2
+"""How many times ``ours`` shrinks its budget by a reserved overshoot before it gives up (Note: [ours in
+reserved bytes])."""
+
+
+def _search_fitting(profile: Profile, solver: str) -> SearchResult:
+    """:func:`search`'s plan for one rank whose reserved peak fits the device (Note: [ours in reserved bytes]).
+
+    Note: [ours in reserved bytes] the search budgets allocated bytes while ``fits`` judges reserved ones
+    (Note: [reserved from allocated]), so ours searches under the device's memory less the allocator reserve
+    predicted at that memory (``_allocated_budget``); should the plan found still overshoot in reserved bytes (a
+    rank's chunks together, a reserve that grows faster than the peak), the budget shrinks by the overshoot, at
+    most ``_SHRINKS`` times.
+    A plan ``ours`` returns fits by construction; none found raises ``InfeasibleBudgetError``."""
+    capacity = int(profile.hardware.device_memory)
+    budget = _allocated_budget(profile)
+    for _ in range(1 + _SHRINKS):
+        if budget <= 0:
+            break
+        found = search(profile, budget=budget, solver=solver)
+        over = reserved_bytes(found.peak_bytes, profile) - capacity
+        if over <= 0:
+            return found
+        budget -= over
+    raise InfeasibleBudgetError(f"--ac='ours': no plan's reserved peak fits the {profile.hardware.name}'s "
+                                f"{fmt_bytes(capacity)}; expected a larger device or more sharding")
+
+
 def _figures(profile: Profile, ac: str, layout: Layout, solver: str) -> tuple[Plan | None, int, float, str | None]:
     """(plan, peak bytes, step seconds, note) of the AC mode on one rank's profile."""
     if ac != "ours":
         plan = ac_plan(ac, profile)
         return (plan, *_simulate(profile, plan, layout), None)
     try:
-        found = search(profile, budget=_allocated_budget(profile), solver=solver)
+        found = _search_fitting(profile, solver)
     except (InfeasibleBudgetError, DeviceMemoryError) as exc:
         plan = ac_plan("full", profile)
         note = f"no plan fits the device's memory ({' '.join(str(exc).split())}); figures of full recompute"

@@ -179,24 +179,39 @@ def _solve_stage(st: Stage, budget: Budget, spec: _BudgetSpec, layout: Layout, s
 
 
 def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[Budget]:
-    """One budget per stage model. ``--budget`` is a rank's: with ``V`` chunks per rank, the room left by the
-    rank's static memory is split over its chunks in proportion to their keep-all activation peaks
-    (micro-batches in flight included); fractions apply to each chunk as they are."""
+    """One budget per stage model. ``--budget`` is a rank's: with ``V`` chunks per rank it is split over the
+    rank's chunks (Note: [chunk budgets]); fractions apply to each chunk as they are."""
     if budget.total is None or layout.virtual_pipeline_stages == 1:
         return [budget] * len(stages)
     out: list[Budget] = []
     for s in range(layout.pipeline_stages):
-        mine = [st for st in stages if st.index == s]
-        shared = mine[0].model.profile.static.buffers  # whole in every chunk's model, held once by the rank
-        static = sum(st.model.static_bytes for st in mine) - (len(mine) - 1) * shared
-        room = budget.total - static
-        if room <= 0:
-            raise DeviceMemoryError(f"stage {s}: static memory {fmt_bytes(static)} (parameters, gradients, optimizer "
-                                    f"state of its {len(mine)} chunks) exceeds the budget {fmt_bytes(budget.total)}; "
-                                    "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
-        keep = [max(1, activation_peak(st.model, keep_all(st.model), in_flight=st.in_flight)) for st in mine]
-        out += [Budget(total=st.model.static_bytes + int(room * k / sum(keep))) for st, k in zip(mine, keep)]
+        out += _rank_budgets(s, [st for st in stages if st.index == s], budget.total)
     return out
+
+
+def _rank_budgets(s: int, mine: list[Stage], total: int) -> list[Budget]:
+    """Note: [chunk budgets] a rank's chunks share one device: its predicted peak is the chunks' peaks added (the
+    buffers, whole in every chunk's model, counted once: ``_rank``), so chunk budgets adding up to the rank's
+    budget plus the buffers counted again keep the rank within its budget. Each chunk gets its minimum feasible
+    peak and the rest is shared in proportion to what each chunk's keep-all peak needs beyond its minimum; a
+    budget below the chunks' minimums together is refused."""
+    shared = mine[0].model.profile.static.buffers  # whole in every chunk's model, held once by the rank
+    static = sum(st.model.static_bytes for st in mine) - (len(mine) - 1) * shared
+    if total <= static:
+        raise DeviceMemoryError(f"stage {s}: static memory {fmt_bytes(static)} (parameters, gradients, optimizer "
+                                f"state of its {len(mine)} chunks) exceeds the budget {fmt_bytes(total)}; "
+                                "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
+    least = [minimum_budget(st.model, in_flight=st.in_flight)[0] for st in mine]
+    room = total + (len(mine) - 1) * shared - sum(least)
+    if room < 0:
+        together = sum(least) - (len(mine) - 1) * shared
+        raise InfeasibleBudgetError(f"stage {s}: --budget {fmt_bytes(total)} is below the minimum feasible "
+                                    f"{fmt_bytes(together)} ({together} bytes) of its {len(mine)} chunks together; "
+                                    "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
+    keep = [simulate_assignment(st.model, keep_all(st.model), in_flight=st.in_flight).peak_bytes for st in mine]
+    need = [max(0, k - m) for k, m in zip(keep, least)]
+    weights = need if sum(need) else [1] * len(mine)
+    return [Budget(total=m + room * w // sum(weights)) for m, w in zip(least, weights)]
 
 
 def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_layers: int) -> dict:

@@ -104,14 +104,34 @@ QWEN3_14B = dict(hidden_size=5120, num_hidden_layers=40, num_attention_heads=40,
 
 def _mpt(seq: int) -> dict[str, Any]:
     return dict(n_embd=4096, n_layer=32, n_head=32, n_inner=16384, vocab_size=50368, n_positions=seq,
-                activation_function="gelu")
+                activation_function="gelu", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
-_MPT_NOTE = ("hf:gpt2 stands in for MPT-7B (transformers has no mpt family here): d_model 4096, 32 layers, 32 heads, "
-             "exact-GELU 4x MLP, LayerNorm, vocab 50368, tied embeddings, SDPA attention (flash on a CUDA target); "
-             "differs by learned positions instead of ALiBi (seq x 4096 parameters) and biases")
+_MPT_NOTE = ("hf:gpt2 stands in for llm-foundry's scripts/train/yamls/pretrain/mpt-7b.yaml: d_model 4096, 32 layers, "
+             "32 heads, exact-GELU 4x MLP, LayerNorm, biases, learned positions (MPTConfig's defaults: alibi off, "
+             "no_bias off, learned_pos_emb on), dropouts 0, vocab 50368, tied embeddings: the table's NumParams "
+             "(6658859008 at seq 2048) to the parameter; SDPA attention (flash on a CUDA target: out and logsumexp "
+             "saved, as its triton flash attn_impl). Precision: Composer amp_bf16 under FSDP mixed_precision DEFAULT "
+             "(the table's 'MP Mode': param_dtype bf16, reduce_dtype fp32 in composer 0.17's get_mixed_precision, the "
+             "version llm-foundry required when the table was added) is fsdp2-bf16's bytes: fp32 shards, bf16 "
+             "gathered layers, so no fp32 residual stream and no autocast weight copies. Not expressible: "
+             "low_precision_layernorm (bf16 LayerNorm: what a bf16 LayerNorm saves here), the fused cross-entropy "
+             "(flash-attn xentropy, saves the bf16 logits: here log_softmax saves as many bytes), FSDP1 "
+             "limit_all_gathers (here FSDP2's two gathered layers)")
 _MPT = "mosaicml/llm-foundry scripts/train/benchmarking/README.md, table 'H100 80GB BF16'"
 _DS = "deepspeedai/DeepSpeed pull request 8255 (DeepCompile activation offloading), its Results table"
+_DS_NOTE = ("Qwen3-14B's config through hf:qwen3; 'bf16 optimizer states' is DeepSpeed's bf16_master_weights_and_grads "
+            "with bf16_optimizer_states (the second requires the first: deepspeed/runtime/config.py), so every "
+            "static figure is bf16: the bf16 recipe. Not expressible: the run's expandable_segments allocator "
+            "(reserved is modelled with fixed segments), DeepCompile's own gather and prefetch schedule (here "
+            "FSDP2's two gathered layers); the PR does not show its loss (Hugging Face's causal-LM loss, if used, "
+            "upcasts the logits to fp32; the model spec's loss takes cross-entropy of the bf16 logits)")
+_TITAN_NOTE = ("torchtitan's llama3_8b.toml (read at v0.1.0; the README ran 0.0.2) with llama3.sh's flags: "
+               "selective_ac_option 'op', local_batch_size 1, seq_len 8192, FSDP2 mixed_precision_param bf16 / "
+               "mixed_precision_reduce fp32 (fsdp2-bf16), --compile.enable. Not expressible: run_train.sh's "
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved is modelled with fixed segments) and "
+               "torchtitan's loss, cross_entropy(pred.float()): the model spec's loss takes "
+               "cross-entropy of the bf16 logits")
 
 
 def _deepspeed(seq: int, baseline: Any, offload: float, planned: float) -> Run:
@@ -123,7 +143,7 @@ def _deepspeed(seq: int, baseline: Any, offload: float, planned: float) -> Run:
         (Arm("baseline (no offload)", "none", published=base),
          Arm("offload-all", "ours", solver=SwapAll.name, published={"step_time_s": offload}),
          Arm("planned = ours", "ours", published={"step_time_s": planned})),  # under the device's memory
-        compiled=True, model_note="Qwen3-14B's config through hf:qwen3")
+        compiled=True, model_note=_DS_NOTE)
 
 
 ROWS: tuple[Run, ...] = (
@@ -132,15 +152,16 @@ ROWS: tuple[Run, ...] = (
         "Llama3-8B, 8x H100, torchtitan FSDP2, batch 1, seq 8192, torch.compile, per-op SAC, bf16",
         "llama3-8b", {}, dict(hardware="h100", gpus=8, precision="fsdp2-bf16", batch_size=1, seq_len=8192, zero=3),
         (Arm("per-op SAC", "op", published={"peak_gib": 47.65, "tokens_per_s_per_gpu": 6150.0}),),
-        compiled=True, memory_gib=47.65,
+        compiled=True, memory_gib=47.65, model_note=_TITAN_NOTE,
         peak_kind="reserved GiB: torchtitan logs max_reserved_gib, parsed as GiB by "
                   "benchmarks/float8/training/parse_torchtitan_logs.py (the README's 'GB' column)"),
-    Run("mpt-7b-2048", _MPT, "MPT 7b, 8x H100 80GB, amp_bf16, FSDP FULL_SHARD, seq 2048, micro-batch 6, no AC",
-        "hf:gpt2", _mpt(2048), dict(hardware="h100", gpus=8, precision="amp-bf16", batch_size=6, seq_len=2048, zero=3),
+    Run("mpt-7b-2048", _MPT, "MPT 7b, 8x H100 80GB, amp_bf16, FSDP FULL_SHARD mixed_precision DEFAULT, seq 2048, "
+        "micro-batch 6, no AC", "hf:gpt2", _mpt(2048),
+        dict(hardware="h100", gpus=8, precision="fsdp2-bf16", batch_size=6, seq_len=2048, zero=3),
         (Arm("no AC", "none", published={"tokens_per_s_per_gpu": 10643.0, "mfu": 0.4644}),), model_note=_MPT_NOTE),
-    Run("mpt-7b-4096", _MPT, "MPT 7b, 8x H100 80GB, amp_bf16, FSDP FULL_SHARD, seq 4096, micro-batch 16, "
-        "activation checkpointing (every block)", "hf:gpt2", _mpt(4096),
-        dict(hardware="h100", gpus=8, precision="amp-bf16", batch_size=16, seq_len=4096, zero=3),
+    Run("mpt-7b-4096", _MPT, "MPT 7b, 8x H100 80GB, amp_bf16, FSDP FULL_SHARD mixed_precision DEFAULT, seq 4096, "
+        "micro-batch 16, activation checkpointing (every block)", "hf:gpt2", _mpt(4096),
+        dict(hardware="h100", gpus=8, precision="fsdp2-bf16", batch_size=16, seq_len=4096, zero=3),
         (Arm("full AC", "full", published={"tokens_per_s_per_gpu": 8611.0, "mfu": 0.4042}),), model_note=_MPT_NOTE),
     _deepspeed(2048, 1.76, 2.50, 1.85),
     _deepspeed(3072, 5.46, 7.81, 5.41),

@@ -38,7 +38,8 @@ class Option:
     d: int
     """Prefetch distance of the swapped units (0 = on demand)."""
     held: int
-    """Non-swapped bytes the layer holds from its forward to the end of its backward."""
+    """Non-swapped bytes the layer holds from its forward to the end of its backward: its segment's ``held``, the
+    checkpoint's inputs not saved anyway included (Note: [selective checkpoint input])."""
     swapped: int
     """Bytes swapped out and reloaded."""
     transient: int

@@ -19,7 +19,9 @@ def one_option(cx: Columns) -> None:
 
 
 def prefix_held(cx: Columns) -> None:
-    # prefix_held:  C_p - C_{p-1} - sum_k held_k z[p,k] = 0
+    # prefix_held:  C_p - C_{p-1} - sum_k held_k z[p,k] = 0, with held_k = inputs_k + sum_u hold_u: the option's
+    #   units' held bytes plus, under a whole-layer or selective checkpoint, its inputs not saved anyway
+    #   (Note: [selective checkpoint input]), as the simulator's segment counts them
     for p in cx.layers:
         coefs = {cx.cum[p]: 1.0, **{j: -o.held / MIB for j, o in cx.z(p)}}
         if p - 1 in cx.cum:

@@ -124,7 +124,14 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
                 replay += model.swap_compute(u.saved)
     if sac:  # Note: [swap compute]: the policy's dispatch, in forward and replay, charged likewise
         replay += model.sac_overhead(sum(model.units[i].ops for i in members))
-    return Segment((p,), "sac" if sac else "plain", members, hold, 0, swaps, transient, replay)
+    # Note: [selective checkpoint input]. A layer under a selective checkpoint runs in a non-reentrant
+    # ``torch.utils.checkpoint`` like a whole-layer one: the checkpoint saves the layer's inputs for the replay
+    # (``_CheckpointFrame.save_inputs``), whatever the policy caches. Inputs autograd saves anyway (an fp32 block
+    # input read by the RMSNorm) are held by their producer and not counted twice; the others (``input_extra``: a
+    # bf16 block input, which the norm upcasts before saving) are this segment's, as in ``_full``. The menus'
+    # ``held`` and so the MILP's memory rows read them from here.
+    inputs = model.input_extra[p] if sac else 0
+    return Segment((p,), "sac" if sac else "plain", members, hold, inputs, swaps, transient, replay)
 
 
 def segments(model: StepModel, asg: Assignment) -> list[Segment]:

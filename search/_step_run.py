@@ -90,6 +90,16 @@ class StepRun:
 
     # ---------------------------------------------------------------- backward
     def reload(self, key: int, label: str) -> None:
+        """A reload's device buffer is allocated when it is issued, its copy runs on the copy stream behind the
+        queued copies out (Note: [reload behind queued copies out]).
+
+        Note: [reload behind queued copies out] as the executor's swap engine does (``_Record.reload``): a swapped
+        tensor's device copy lives until its copy out lands, and the reload buffer is taken when the prefetch is
+        issued. Where the copies out take longer than the forward (a small model on a slow link), backward starts
+        with most swapped tensors still on the device, and the prefetched reloads of the last layers add their
+        buffers on top: swapping everything then peaks above keeping everything, by the bytes of the reloads in
+        flight (the last layer's and, at prefetch distance 1, the next one's). That is what such a plan holds on
+        this runtime, not a double count."""
         nbytes = self.model.units[key].saved if key >= 0 else self.model.input_swap[-key]
         self.add(self.t, nbytes)
         c0 = max(self.stream, self.t)

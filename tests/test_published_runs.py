@@ -78,3 +78,22 @@ def test_a_shrunken_row_runs_through_estimate():
     assert ours["step_time_s"] <= swap["step_time_s"]
     assert {c["target"] for c in res["checks"]} >= {"step time (s) within 15%", "faster than offload-all"}
     assert all(isinstance(c["ok"], bool) for c in res["checks"])
+
+
+def test_breakdown_of_a_shrunken_mpt_row_meets_the_hand_count(capsys):
+    """benchmarks/published_breakdown.py on the MPT row cut to a tiny GELU block: its saved bytes per layer print
+    beside the hand count ``s b (16 h + 4 f) + 4 b a s`` and agree with it."""
+    import dataclasses
+    import re
+
+    _load()
+    spec = importlib.util.spec_from_file_location("published_breakdown", ROOT / "benchmarks" / "published_breakdown.py")
+    bd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bd)
+    run = next(r for r in bd.published_runs.ROWS if r.name == "mpt-7b-4096")
+    tiny = dict(run.model_args, n_embd=256, n_layer=2, n_head=4, n_inner=1024, vocab_size=256, n_positions=128)
+    bd.breakdown(dataclasses.replace(run, model_args=tiny, kwargs=dict(run.kwargs, batch_size=2, seq_len=128)))
+    out = capsys.readouterr().out
+    saved = re.search(r"saved per layer \(layer 0\): ([\d.]+) MiB; hand count .* = ([\d.]+) MiB", out)
+    assert saved and saved.group(1) == saved.group(2), out
+    assert "full AC: allocated" in out and "boundary" in out

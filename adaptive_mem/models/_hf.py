@@ -5,13 +5,17 @@ gradient checkpointing does); planned layers that do get a ``Cache`` handle it (
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 from typing import Any
 
 from torch import nn
 
 from ._errors import ModelSpecError
 
-__all__ = ["HF_FAMILIES", "HF_HEADS", "build_hf", "hf_unpacked_sequences"]
+__all__ = ["HF_FAMILIES", "HF_HEADS", "build_hf", "class_defaults", "hf_unpacked_sequences", "shape_args"]
+
+_log = logging.getLogger(__name__)
 
 
 # Tiny defaults: 3 layers of width 64, enough to exercise every op of the family in well under a second.
@@ -66,6 +70,47 @@ _EAGER = ("gemma2", "bloom")
 """Families without an SDPA attention in transformers (gemma2: logit soft-capping)."""
 
 
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+"""The config keys naming a family's width, the first its tiny shape has."""
+
+
+def class_defaults(config_cls: type, keys: Any) -> dict[str, Any]:
+    """The defaults ``config_cls`` declares for ``keys``: its ``__init__``'s, so a key it derives from others
+    when not given (``n_inner``, ``head_dim``...) is None; keys its signature lacks take a default instance's."""
+    params = inspect.signature(config_cls.__init__).parameters
+    out = {k: params[k].default for k in keys if k in params and params[k].default is not inspect.Parameter.empty}
+    rest = [k for k in keys if k not in out]
+    if rest:
+        default = config_cls()
+        out.update({k: getattr(default, k) for k in rest if hasattr(default, k)})
+    return out
+
+
+def shape_args(spec: str, family: str, config_cls: type, args: dict[str, Any]) -> dict[str, Any]:
+    """The config keywords of ``hf:<family>`` with ``args``: the family's tiny shape under ``args``.
+
+    Note: [tiny shape under a new width] the tiny shape's keys are sized for its width; when ``args`` change the
+    width, the tiny keys the config class derives when not given (declared default None: gpt2's ``n_inner``,
+    mistral's ``head_dim``, falcon's ``ffn_hidden_size``, the key-value heads) are dropped so the class derives
+    them from the given shape, and the tiny shape sizes kept (layers, vocabulary...) are named in one warning.
+    Token ids stay: they index the vocabulary."""
+    tiny = HF_FAMILIES[family][1]
+    alias = getattr(config_cls, "attribute_map", {})  # gpt2: hidden_size -> n_embd
+    given = {alias.get(k, k): v for k, v in args.items()}
+    width = next((k for k in _WIDTH_KEYS if k in tiny), None)
+    if width is None or given.get(width, tiny[width]) == tiny[width]:
+        return {**tiny, **args}
+    shape = {k: v for k, v in tiny.items() if k not in given and not k.endswith("token_id")}
+    derived = {k for k, v in class_defaults(config_cls, shape).items() if v is None}
+    positions = _POSITIONS.get(family, "max_position_embeddings")  # grown to the sequence length anyway
+    kept = sorted(k for k, v in shape.items()
+                  if k not in derived and k != positions and isinstance(v, int) and not isinstance(v, bool))
+    if kept:
+        _log.warning("model spec %r: %s=%s with the tiny test shape's %s; give them in --model-args for the "
+                     "model you mean", spec, width, given[width], ", ".join(f"{k}={tiny[k]}" for k in kept))
+    return {**{k: v for k, v in tiny.items() if k not in derived}, **args}
+
+
 def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn.Module, int]:
     if family not in HF_FAMILIES:
         raise ModelSpecError(f"model spec {spec!r}: unknown family {family!r}; expected hf:<{'|'.join(HF_FAMILIES)}>")
@@ -80,7 +125,7 @@ def build_hf(spec: str, family: str, args: dict[str, Any], seq: int) -> tuple[nn
     if unknown:
         raise ModelSpecError(f"model spec {spec!r}: model_args key {unknown[0]!r}: not an attribute of {class_name}")
     try:
-        config = config_cls(**{**tiny, **args})
+        config = config_cls(**shape_args(spec, family, config_cls, args))
     except Exception as exc:  # noqa: BLE001 - the config class's own validation (HF strict dataclasses)
         raise ModelSpecError(rejected(spec, class_name, args, exc)) from None
     positions = _POSITIONS.get(family, "max_position_embeddings")
