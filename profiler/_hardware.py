@@ -96,9 +96,14 @@ way. Compute-bound kernels (GEMM, fused attention) are therefore priced at their
 times 719.7 / 797.5, the sweep's sustained point over its best; memory-bound kernels are not (the memory clock
 stays at its rated value while the power cap lowers the SM clock: github.com/ashalliants/ninfer-3090/pull/72, an
 RTX 3090 at its 315 W cap).
+The same sweeps on other parts fall the same way: A100-PCIE-40GB bf16 234.1 / 215.3 / 211.7 (issues/108: 0.904 of
+its best, :data:`_A100_SUSTAINED`; NVIDIA rates the A100's HPL peak at the 1305 MHz it sustains at its power limit,
+0.926 of its 1410 MHz boost: glennklockwood.com/garden/peak-FLOPS), H100 PCIe 495.9 / 492.8 / 471.8 (issues/95).
 Assumed: that the 10240 point's drop is the clock's and not cuBLAS's kernel choice, and the H100's ratio for the
-H200 (same SMs, same 700 W). The A100 and Ascend figures keep their microbenchmarks' fractions: no sweep of
-theirs shows a sustained point."""
+H200 (same SMs, same 700 W). The Ascend keeps its microbenchmark's fraction: no sweep of it shows a sustained
+point."""
+_A100_SUSTAINED = 211.72 / 234.14
+"""The A100-PCIE-40GB sweep's 10240 cubed over its best (4096 cubed) bf16 TFLOPS (Note: [sustained clocks])."""
 _H100_GEMM = 797.51 / 989.4 * _H100_SUSTAINED
 """github.com/zzc0721/torch-performance-test-data/issues/79: ``torch.matmul`` bf16 8192 x 8192 x 8192 on an H100
 80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77), at the
@@ -157,17 +162,21 @@ HARDWARE: dict[str, _Datasheet] = {
     # ``torch.matmul`` bf16 4096^3 on an A100-PCIE-40GB (PyTorch 2.8, CUDA 12.8): 234.14 TFLOPS of 312 (its best size; a
     # 250 W PCIe card, the 400 W SXM4 is likely faster: a lower bound). SDPA: the FlashAttention-2 paper (Dao 2023,
     # arXiv 2307.08691) reaches 50-73 % of the A100 peak forward and backward (head dims 64/128, seq 512-16k); 0.60 is
-    # taken inside that range, the backward (the larger share of the FLOPs) being the slower. NCCL:
+    # taken inside that range, the backward (the larger share of the FLOPs) being the slower; the flash shape curve
+    # (``profiler/_cost.py``) takes it as its forward reference, so the A100's attention is if anything underrated.
+    # GEMM and attention at the sustained clock (Note: [sustained clocks]). NCCL:
     # github.com/NVIDIA/nccl-tests/issues/149, 8x A100-SXM4-80GB over NVLink (HPE Apollo 6500, NCCL 2.18): all-reduce
     # busbw ~200 GB/s of 300.
     "a100": _Datasheet(
         19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
         "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s; DGX A100 8x IB HDR 200 Gb/s",
-        interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312, attention_efficiency=0.60,
+        interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312 * _A100_SUSTAINED,
+        attention_efficiency=0.60 * _A100_SUSTAINED,
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
         collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: torch-performance-test-data#108 (A100 PCIe, bf16 4096^3, 234.1 TFLOPS); SDPA: "
-                          "FlashAttention-2 paper (50-73 % on A100), 0.60; HBM: 0.90 (ao#4054, TileOPs#512); kernel "
+                          "FlashAttention-2 paper (50-73 % on A100), 0.60; both at the sustained clock, x 211.7 / "
+                          "234.1 (the same sweep's 10240^3); HBM: 0.90 (ao#4054, TileOPs#512); kernel "
                           "latency: 7.8 us (TileOPs#512 fit, H200); NCCL: "
                           "nccl-tests#149 (busbw ~200 of 300 GB/s)"),
     # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16 host interface

@@ -201,3 +201,9 @@ def test_hopper_compute_is_priced_at_the_sustained_clock(name):
     assert sheet.matmul_efficiency == pytest.approx(719.72 / 989.4)
     assert sheet.attention_efficiency == pytest.approx(329.483 / 989.4 * 719.72 / 797.51)
     assert sheet.memory_efficiency == 0.90
+
+
+def test_the_a100_is_priced_at_its_own_sweeps_sustained_point():
+    sheet = HARDWARE["a100"]
+    assert sheet.matmul_efficiency == pytest.approx(211.72 / 312)  # 234.14 / 312 x 211.72 / 234.14
+    assert sheet.attention_efficiency == pytest.approx(0.60 * 211.72 / 234.14)
