@@ -35,12 +35,12 @@ from dataclasses import dataclass, fields, replace
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from profiler.tracing import install_fake_fallbacks
 
 from .models._errors import ModelSpecError
+from .models._loss import causal_lm_loss
 from .models._hf import HF_FAMILIES, HF_HEADS, build_hf as _build_hf, hf_unpacked_sequences as _hf_unpacked_sequences
 
 __all__ = ["ModelBundle", "ModelSpecError", "build_model", "parse_model_args", "HF_FAMILIES", "DTYPES"]
@@ -118,7 +118,7 @@ class ModelBundle:
             else:
                 ids, labels = batch
                 logits = _logits(self.model(ids))
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+                loss = causal_lm_loss(logits, labels)  # Note: [loss in fp32]
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ModelSpecError(
                 f"model spec {self.spec!r}: loss is not a scalar tensor; expected a model returning logits"

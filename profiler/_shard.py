@@ -61,12 +61,16 @@ class ParameterSplit:
     """All parameter bytes."""
     layer: int
     """Parameter bytes of the largest layer on one TP rank (what ZeRO-3 gathers for the layer in flight)."""
+    outer: int = 0
+    """Parameter bytes on one TP rank of the largest module outside the layers (the output head or the embedding:
+    an FSDP2 unit of its own, gathered for the first backward; Note: [gathered copy])."""
 
 
 def parameter_split(model: nn.Module, layers: LayerInfo | None, *, tensor_parallel: int) -> ParameterSplit:
     """What of ``model``'s parameters tensor parallelism splits (read from its module types)."""
     linears, shardable, seen = set(), 0, set()
     per_layer: dict[int, float] = defaultdict(float)
+    outer: dict[str, float] = defaultdict(float)
     for name, module in named_modules(model):  # Note: [compile wrapper names]
         kind = type(module).__name__
         if kind in _LINEARS:
@@ -79,10 +83,14 @@ def parameter_split(model: nn.Module, layers: LayerInfo | None, *, tensor_parall
             split = kind in _SHARDABLE
             shardable += nbytes if split else 0
             index = layers.split(name)[0] if layers is not None else None
+            share = nbytes / tensor_parallel if split else nbytes
             if index is not None:
-                per_layer[index] += nbytes / tensor_parallel if split else nbytes
+                per_layer[index] += share
+            else:  # outside the layers: one unit per module holding parameters (embedding, head, final norm)
+                outer[name] += share
     total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
-    return ParameterSplit(frozenset(linears), shardable, total, int(max(per_layer.values(), default=0)))
+    return ParameterSplit(frozenset(linears), shardable, total, int(max(per_layer.values(), default=0)),
+                          int(max(outer.values(), default=0)))
 
 
 def collective_time(nbytes: int, *, ranks: int, bandwidth: float, kind: str = "all_reduce") -> float:
@@ -122,12 +130,12 @@ def rank_static(static: StaticMemory, *, layout: Layout, split: ParameterSplit,
     t, d, z = layout.tensor_parallel, layout.data_parallel, layout.zero
     scale = (split.shardable / t + split.total - split.shardable) / split.total if split.total else 1.0
     figures = {key: int(getattr(static, key) * scale / (d if z >= stage else 1)) for key, stage in SHARDED_FROM.items()}
-    gathered = fsdp_buffer_bytes(split.layer, layout=layout, precision=precision)
+    gathered = fsdp_buffer_bytes(split.layer, layout=layout, precision=precision, outer=split.outer)
     return replace(static, **figures, buffers=static.buffers + gathered,
                    other=static.other + ddp_bucket_bytes(figures["gradients"], layout))
 
 
-def fsdp_buffer_bytes(layer: int, *, layout: Layout, precision: Precision | None) -> int:
+def fsdp_buffer_bytes(layer: int, *, layout: Layout, precision: Precision | None, outer: int = 0) -> int:
     """Note: [gathered copy] what FSDP2 (ZeRO-3) holds beside a rank's shards at the activation peak, the start
     of backward, for layers of ``layer`` unsharded bytes in the dtype the forward reads them in
     (``ParameterSplit.layer``, on a model built in ``Precision.model_dtype``). Read from
@@ -138,12 +146,16 @@ def fsdp_buffer_bytes(layer: int, *, layout: Layout, precision: Precision | None
     layer's parameters (gathered for its backward) and the previous layer's (prefetched) are unsharded: two
     layers. ``foreach_reduce`` packs each layer's unsharded gradients into a reduce-scatter input of the whole
     layer in the reduce dtype (the recipe's gradient bytes: fp32 for ``fsdp2-bf16``) and a ``1 / d`` output shard,
-    held until the reduce-scatter is waited on, while the previous layer's backward runs: one layer's."""
+    held until the reduce-scatter is waited on, while the previous layer's backward runs: one layer's. The first
+    unit of backward is the output head (``outer``: the largest module outside the layers, an FSDP2 unit of its
+    own as torchtitan and HF Accelerate wrap it) where it outweighs a layer: it is gathered beside the prefetched
+    last layer, and its gradients are the reduce-scatter in flight."""
     d = layout.data_parallel
     if layout.zero < 3 or d == 1 or layer <= 0:
         return 0
-    reduce = layer if precision is None else layer * precision.gradients // precision.model_dtype.itemsize
-    return 2 * layer + reduce + reduce // d
+    first = max(layer, outer)
+    reduce = first if precision is None else first * precision.gradients // precision.model_dtype.itemsize
+    return first + layer + reduce + reduce // d
 
 
 def ddp_bucket_bytes(gradient_bytes: int, layout: Layout) -> int:

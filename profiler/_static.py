@@ -113,13 +113,14 @@ def held_beyond_model(static: StaticMemory, model: nn.Module) -> int:
     Note: [precision peak] a recorded step counts the model's parameters and, as backward makes them, its
     gradients, in the dtype the forward computes in (bf16 under ``bf16``, ``fsdp2-bf16`` and ``megatron-bf16``).
     What a precision recipe holds beyond them is held the whole step and added to the peak: the optimizer state,
-    master weights, and the parameters and gradients it stores wider than computed (FSDP2's fp32 shards beside
-    the bf16 gathered copies, Megatron's fp32 main grads beside the bf16 ones). Without a recipe that is the
-    optimizer state alone."""
+    master weights, and the parameters it stores wider than computed (FSDP2's fp32 shards beside the bf16
+    gathered copies). Without a recipe that is the optimizer state alone. Gradients are not added, however wide
+    the recipe keeps them (Megatron's fp32 main grads, FSDP2's fp32 reduced ones): every reader of the profile
+    takes ``static.gradients`` as made by backward (``search.StepModel``: the peak less static memory without
+    the gradients is the loss workspace), so adding them here would count them twice
+    (tests/test_precision.py::test_wide_gradients_are_not_in_the_loss_workspace)."""
     params = list(model.parameters())
-    grads = unique_bytes(p for p in params if p.requires_grad)
-    return (static.optimizer_state + static.master + max(0, static.parameters - unique_bytes(params))
-            + max(0, static.gradients - grads))
+    return static.optimizer_state + static.master + max(0, static.parameters - unique_bytes(params))
 
 
 def gradient_split(model: nn.Module, ops: list[OpRecord], num_layers: int) -> tuple[list[int], list[int]]:

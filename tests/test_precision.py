@@ -121,12 +121,40 @@ def test_amp_fake_profile_saves_bf16_matmuls_and_fp32_norms():
     assert amp.static == plain.static  # amp's static bytes are fp32's
 
 
+@pytest.mark.parametrize("dtype, nbytes", [("bf16", 4), (None, 4)])
+def test_the_loss_reads_fp32_logits(dtype, nbytes):
+    """Note: [loss in fp32] a bf16 model's logits are upcast once before cross-entropy, whose log-softmax is saved in
+    fp32; an fp32 model's logits are not copied."""
+    fake = profiler.profile_step(_fake(dtype), hardware="h100")
+    assert _unit_saved(fake, "log_softmax") == B * S * V * nbytes
+    copies = [o for o in fake.ops
+              if o.layer is None and o.op == "aten._to_copy.default" and o.output_bytes == B * S * V * 4]
+    assert len(copies) == (1 if dtype else 0)
+
+
 def test_recipe_peak_holds_what_the_model_does_not():
     bf16 = profiler.profile_step(_fake("bf16"), hardware="h100")
     megatron = profiler.profile_step(_fake("megatron-bf16"), hardware="h100", precision="megatron-bf16")
-    # Note: [precision peak]: fp32 master weights, the wider main grads, and fp32 moments instead of bf16 ones
-    assert megatron.peak_memory - bf16.peak_memory == 4 * N + (4 - 2) * N + (8 - 8) * N
+    # Note: [precision peak]: fp32 master weights and fp32 moments instead of bf16 ones; the wider main grads are
+    # made by backward, as the gradients of every profile are, so they are not in the peak before it
+    assert megatron.peak_memory - bf16.peak_memory == 4 * N + (8 - 8) * N
     assert megatron.static.total == 18 * N
+
+
+@pytest.mark.parametrize("name", ["fsdp2-bf16", "megatron-bf16"])
+def test_wide_gradients_are_not_in_the_loss_workspace(name):
+    """Note: [precision peak] a recipe's gradients wider than the model's (fp32 main or reduced gradients) are
+    counted once, by the simulator as backward makes them: the loss workspace the step model derives from the
+    peak is the same as under pure bf16, and the simulated keep-all peak grows by the static bytes held all step
+    plus at most the wider gradients (those live at the peak)."""
+    from search import StepModel, simulate
+
+    bf16 = profiler.profile_step(_fake("bf16"), hardware="h100", precision="bf16")
+    wide = profiler.profile_step(_fake(name), hardware="h100", precision=name)
+    assert StepModel.build(wide).boundary == StepModel.build(bf16).boundary
+    grown = simulate(wide, am.ac_plan("none", wide)).peak_bytes - simulate(bf16, am.ac_plan("none", bf16)).peak_bytes
+    extra_gradients = wide.static.gradients - bf16.static.gradients
+    assert wide.static.total - bf16.static.total - extra_gradients <= grown <= wide.static.total - bf16.static.total
 
 
 def test_old_profiles_load_and_no_master_is_not_written(tmp_path):

@@ -126,7 +126,7 @@ def test_llama2_7b_fake_profile_matches_analytic():
     tokens = 4096
     per_layer = sum(_analytic_layer_bytes(cfg, 1, 4096, 2).values())
     final_norm = 2 * tokens * cfg.hidden_size * 4 + tokens * 4 + tokens * cfg.hidden_size * 2
-    log_softmax = tokens * cfg.vocab_size * 2
+    log_softmax = tokens * cfg.vocab_size * 4  # Note: [loss in fp32]
     analytic = cfg.num_layers * per_layer + final_norm + log_softmax
     assert abs(result.saved_bytes - analytic) <= 0.02 * analytic, (result.saved_bytes, analytic)
     assert result.unit("layers.31.feed_forward.mul").saved_bytes == tokens * cfg.intermediate_size * 2

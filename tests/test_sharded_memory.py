@@ -132,18 +132,20 @@ def test_profile_and_simulate_speak_of_the_busiest_stage(tmp_path, capsys, caplo
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING][-1] == expected
 
 
-def test_fsdp2_llama3_8b_on_eight_ranks_holds_two_gathered_layers_and_a_reduce_scatter():
-    """Note: [gathered copy] fsdp2-bf16 over 8 ranks: fp32 shards (16 / 8 bytes per element), two bf16 layers
-    unsharded at the start of backward (the last and the prefetched one before it), one layer's fp32
-    reduce-scatter input and its 1 / 8 output shard."""
+def test_fsdp2_llama3_8b_on_eight_ranks_holds_the_head_a_layer_and_the_head_reduce_scatter():
+    """Note: [gathered copy] fsdp2-bf16 over 8 ranks: fp32 shards (16 / 8 bytes per element); unsharded in bf16 at
+    the start of backward: the output head (128256 x 4096, an FSDP2 unit of its own, larger than a layer) for
+    its backward and the last layer, prefetched; the head's fp32 reduce-scatter input and its 1 / 8 output
+    shard."""
     whole, rank = _rank("llama3-8b", "fsdp2-bf16", Layout(data_parallel=8))
     st = rank.static
     assert rank.model["layout"]["zero"] == 3
     assert (st.parameters, st.gradients, st.optimizer_state, st.master, st.other) == \
         (4 * N8 // 8, 4 * N8 // 8, 8 * N8 // 8, 0, 0)
-    gathered = 2 * (2 * LAYER8)  # 872,448,000
-    reduce_scatter = 4 * LAYER8 + 4 * LAYER8 // 8  # 872,448,000 + 109,056,000
-    assert st.buffers - whole.static.buffers == gathered + reduce_scatter == 1_853_952_000
+    head = V * H8  # the output projection, 525,336,576 elements
+    gathered = 2 * head + 2 * LAYER8  # 1,050,673,152 + 436,224,000
+    reduce_scatter = 4 * head + 4 * head // 8  # 2,101,346,304 + 262,668,288
+    assert st.buffers - whole.static.buffers == gathered + reduce_scatter == 3_850_911_744
 
 
 @pytest.mark.parametrize("precision, nbytes", [("bf16", 2), ("amp-bf16", 4)])

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ._loss import causal_lm_loss
 
 __all__ = ["KINDS", "Parallel", "ParallelModel", "parallelize", "stage_decisions"]
 
@@ -64,7 +65,7 @@ class Parallel:
 
 def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     logits = logits.to_local() if hasattr(logits, "to_local") else logits
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return causal_lm_loss(logits, labels)
 
 
 class Stage(nn.Module):
