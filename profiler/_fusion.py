@@ -21,9 +21,11 @@ their producer (the previous block's output), as eager charges saved tensors.
 (b) time: inductor fuses each connected chain of fusible ops (pointwise, reductions, casts, a ``cat`` of them)
 into one kernel, which reads the chain's inputs from outside it once and writes only the outputs read outside
 it or saved; each fused op's forward and backward seconds are scaled by the chain's external bytes over the sum
-of its ops' own reads and writes (bytes from the ops' producers, parameters not counted). Matmuls, attention and
-every op left alone keep their seconds; recomputation fused into backward adds none. Kernel launch overhead is
-not modelled (the eager profile's op times carry none on fake tensors).
+of its ops' own reads and writes (bytes from the ops' producers, parameters not counted). A chain is one kernel
+in forward and one in backward: of the eager ops' per-kernel latency (``hardware.kernel_latency``, Note: [op
+pricing]; one taken off each op's forward and, where it has one, backward seconds) the chain keeps one per
+direction. Matmuls, attention and every op left alone keep their seconds; recomputation fused into backward adds
+none.
 Checked against the inductor-compiled CPU profile (``profiler.profile_compiled``, torch 2.13.0): saved bytes per
 block equal to the byte for ``llama-tiny``, ``llama-small``, ``hf:llama`` and ``hf:qwen2`` (the first kept within
 10 % by tests/test_compile_estimate.py). CPU step times (measured, no GPU figure) moved the same way on three of
@@ -216,9 +218,21 @@ def _chains(block: _Block) -> list[list[int]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def _fusion_factors(block: _Block, saved: dict[int, int]) -> dict[int, float]:
-    """Per fused op, its chain's external bytes over the sum of the chain's ops' own bytes (Note: [compile model] (b))."""
-    factors: dict[int, float] = {}
+def _fused_times(block: _Block, saved: dict[int, int], latency: float) -> dict[int, tuple[float, float]]:
+    """Per fused op, its forward and backward seconds in its chain's kernels (Note: [compile model] (b))."""
+    ops, out = block.ops, {}
+    for chain, factor in _fusion_factors(block, saved):
+        first_backward = next((i for i in chain if ops[i].bwd_time > 0), None)
+        for i in chain:
+            fwd = factor * max(ops[i].fwd_time - latency, 0.0) + (latency if i == chain[0] else 0.0)
+            bwd = factor * max(ops[i].bwd_time - latency, 0.0) + (latency if i == first_backward else 0.0)
+            out[i] = (fwd, bwd)
+    return out
+
+
+def _fusion_factors(block: _Block, saved: dict[int, int]) -> list[tuple[list[int], float]]:
+    """Each fused chain with its external bytes over the sum of its ops' own bytes (Note: [compile model] (b))."""
+    factors: list[tuple[list[int], float]] = []
     for chain in _chains(block):
         members = set(chain)
         own = sum(block.ops[i].output_bytes + block.input_bytes(i) for i in chain)
@@ -227,7 +241,7 @@ def _fusion_factors(block: _Block, saved: dict[int, int]) -> dict[int, float]:
                   or any(c not in members for c in block.ops[i].consumers) or not block.ops[i].consumers]
         external = sum(block.ops[p].output_bytes for p in reads) + sum(block.ops[i].output_bytes for i in writes)
         if own > 0:
-            factors.update({i: min(1.0, external / own) for i in chain})
+            factors.append((chain, min(1.0, external / own)))
     return factors
 
 
@@ -250,11 +264,11 @@ def compiled_estimate(profile: Profile, *, backend: str = "inductor") -> Profile
     for layer in range(profile.num_layers):
         block = _Block(profile, layer)
         saved = _block_saved(block)
-        factors = _fusion_factors(block, saved)
+        times = _fused_times(block, saved, profile.hardware.kernel_latency)
         for i, value in saved.items():
             ops[i] = dataclasses.replace(ops[i], saved_bytes=int(value))
-        for i, f in factors.items():
-            ops[i] = dataclasses.replace(ops[i], fwd_time=ops[i].fwd_time * f, bwd_time=ops[i].bwd_time * f)
+        for i, (fwd, bwd) in times.items():
+            ops[i] = dataclasses.replace(ops[i], fwd_time=fwd, bwd_time=bwd)
         rows.append(_row(profile, ops, block))
     return _rebuilt(profile, ops, rows, backend)
 

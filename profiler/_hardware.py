@@ -61,6 +61,8 @@ class _Datasheet:
     """Devices sharing one node's intra-node link (NVSwitch, HCCS mesh)."""
     efficiency_source: str = ""
     """Where the efficiencies come from (the comments of :data:`HARDWARE` give each figure and its shape)."""
+    kernel_latency: float = 0.0
+    """Seconds a kernel takes beyond its roofline time (launch, ramp-up, tail), added to every estimated op."""
 
     @property
     def effective_interconnect(self) -> float:
@@ -80,18 +82,49 @@ _NVLINK_RING = 370 / 450
 450 GB/s is the line rate, protocol overhead leaves an effective 370 GB/s busbw for ring collectives and every
 collective but all-reduce (all-reduce with NVLink SHARP peaks at ~480 GB/s busbw, large sizes). Our collectives
 are timed as rings (all-gather, reduce-scatter), so the ring figure."""
-_H100_GEMM = 797.51 / 989.4
+_H100_SUSTAINED = 719.72 / 797.51
+"""Note: [sustained clocks] a training step keeps the tensor cores busy for its whole length, and a Hopper part at
+its power limit then lowers its SM clock below the one a short microbenchmark runs at: on a B200 back-to-back
+kernels throttle after about 5 ms, the SM clock falling from 1965 to about 1580 MHz and the TFLOPS 15 %
+(github.com/flashinfer-ai/flashinfer/pull/2899); H200 runners at 700 W cannot hold a locked 1830 MHz under full
+load, 1500 MHz being what they sustain (github.com/tile-ai/TileOPs/pull/1588); triton's ``do_bench`` returns every
+iteration because H100s throttle by kernel before a steady state (github.com/triton-lang/triton/pull/4493). The
+H100 sweep of :data:`_H100_GEMM` shows it: bf16 ``torch.matmul`` at 4096 / 8192 / 10240 cubed reaches 788.7 /
+797.5 / 719.7 TFLOPS, the longest-running GEMM (10240, 3 ms a call; with 128 x 256 or 128 x 128 tiles on 132 SMs
+its last wave no emptier than 8192's) 9.8 % below the 8192 one, and fp16 (760.0 / 736.2 / 668.4) falls the same
+way. Compute-bound kernels (GEMM, fused attention) are therefore priced at their short microbenchmark's fraction
+times 719.7 / 797.5, the sweep's sustained point over its best; memory-bound kernels are not (the memory clock
+stays at its rated value while the power cap lowers the SM clock: github.com/ashalliants/ninfer-3090/pull/72, an
+RTX 3090 at its 315 W cap).
+The same sweeps on other parts fall the same way: A100-PCIE-40GB bf16 234.1 / 215.3 / 211.7 (issues/108: 0.904 of
+its best, :data:`_A100_SUSTAINED`; NVIDIA rates the A100's HPL peak at the 1305 MHz it sustains at its power limit,
+0.926 of its 1410 MHz boost: glennklockwood.com/garden/peak-FLOPS), H100 PCIe 495.9 / 492.8 / 471.8 (issues/95).
+Assumed: that the 10240 point's drop is the clock's and not cuBLAS's kernel choice, and the H100's ratio for the
+H200 (same SMs, same 700 W). The Ascend keeps its microbenchmark's fraction: no sweep of it shows a sustained
+point."""
+_A100_SUSTAINED = 211.72 / 234.14
+"""The A100-PCIE-40GB sweep's 10240 cubed over its best (4096 cubed) bf16 TFLOPS (Note: [sustained clocks])."""
+_H100_GEMM = 797.51 / 989.4 * _H100_SUSTAINED
 """github.com/zzc0721/torch-performance-test-data/issues/79: ``torch.matmul`` bf16 8192 x 8192 x 8192 on an H100
-80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77)."""
-_H100_SDPA = 329.483 / 989.4
+80GB HBM3 (PyTorch 2.7, CUDA 12.8) 797.51 TFLOPS of 989.4 (fp32 at 8192: 51.81 of 67 TFLOPS, 0.77), at the
+sustained clock (Note: [sustained clocks]): 0.727."""
+_H100_SDPA = 329.483 / 989.4 * _H100_SUSTAINED
 """github.com/pytorch/pytorch/issues/142132: ``F.scaled_dot_product_attention`` with its default (flash,
 FlashAttention-2) backend on an H100, forward, batch 1, 24 heads, seq 4608, head dim 128: 329.5 TFLOPS (cuDNN
 attention 631, not picked by default). The FlashAttention-3 post (pytorch.org blog, 2024-07-11) gives
-FlashAttention-2 35 % of the H100 peak. No published backward figure of the default backend at head dim 128 was
-found: the forward's fraction is assumed for both."""
+FlashAttention-2 35 % of the H100 peak. Other shapes, the causal mask and the backward pass follow the
+FlashAttention-3 paper's FlashAttention-2 curves relative to this point (Note: [flash attention shape],
+``profiler/_cost.py``). At the sustained clock (Note: [sustained clocks]): 0.301."""
 _HBM_COPY = 0.90
-"""No citable STREAM / BabelStream copy figure for these parts was found in the sources searched; assumed 0.90
-of the datasheet bandwidth (about 3.0 TB/s on an H100 SXM5)."""
+"""No STREAM / BabelStream copy figure for these parts was found; two published figures bracket 0.90 of the
+datasheet bandwidth (about 3.0 TB/s on an H100 SXM5): torchao's roofline utilities take 0.92 as the achievable
+fraction observed on Meta's H100s (github.com/pytorch/ao/issues/4054), and PyTorch's own ``torch.maximum`` on an
+H200 (github.com/tile-ai/TileOPs/issues/512, fp16, 1024 x 4096 / 10240 / 20480: 1.83 / 2.79 / 3.37 TB/s) fits
+``t = latency + bytes / bandwidth`` with 4.27 TB/s, 0.889 of 4.8 (:data:`_KERNEL_LATENCY`)."""
+_KERNEL_LATENCY = 7.8e-6
+"""The same fit's fixed part: 7.8 us per kernel (least squares over the three points, bytes read and written:
+13.8, 22.6, 37.3 us for 25, 63, 126 MB). No H100 or A100 figure was found: the H200's (same CUDA launch path) is
+taken for every NVIDIA part and assumed for the Ascend."""
 
 HARDWARE: dict[str, _Datasheet] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): FP32 67 TFLOPS, BF16 989.4 TFLOPS dense
@@ -101,9 +134,12 @@ HARDWARE: dict[str, _Datasheet] = {
         67 * TFLOPS, 989.4 * TFLOPS, 3.35e12, 64 * GB, 80 * 2**30,
         "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H100 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
-        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
         efficiency_source="GEMM: torch-performance-test-data#79 (bf16 8192^3, 797.5 TFLOPS); SDPA: "
-                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS); HBM: assumed 0.90; NCCL: "
+                          "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS; shape curve: arXiv 2407.08608); both at "
+                          "the sustained clock, x 719.7 / 797.5 (the same sweep's 10240^3); HBM: 0.90 "
+                          "(ao#4054, TileOPs#512); kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 (ring busbw 370 of 450 GB/s)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
     # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction; NVLink 4; DGX H200: 8x IB NDR 400 Gb/s.
@@ -114,8 +150,11 @@ HARDWARE: dict[str, _Datasheet] = {
         67 * TFLOPS, 989.4 * TFLOPS, 4.8e12, 64 * GB, 141 * 10**9,
         "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H200 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
-        memory_efficiency=_HBM_COPY, collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
-        efficiency_source="H100's GEMM and SDPA fractions assumed (same Hopper SMs); HBM: assumed 0.90; NCCL: "
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        efficiency_source="H100's GEMM and SDPA fractions, at its sustained clock, assumed (same Hopper SMs); "
+                          "HBM: 0.90 (ao#4054, TileOPs#512); "
+                          "kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
                           "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200)"),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense, HBM2e 2039 GB/s, 80
     # GB; PCIe Gen4 x16 = 32 GB/s per direction; NVLink 3: 600 GB/s bidirectional per GPU; DGX A100: 8 GPUs, 8x 200 Gb/s
@@ -123,16 +162,22 @@ HARDWARE: dict[str, _Datasheet] = {
     # ``torch.matmul`` bf16 4096^3 on an A100-PCIE-40GB (PyTorch 2.8, CUDA 12.8): 234.14 TFLOPS of 312 (its best size; a
     # 250 W PCIe card, the 400 W SXM4 is likely faster: a lower bound). SDPA: the FlashAttention-2 paper (Dao 2023,
     # arXiv 2307.08691) reaches 50-73 % of the A100 peak forward and backward (head dims 64/128, seq 512-16k); 0.60 is
-    # taken inside that range, the backward (the larger share of the FLOPs) being the slower. NCCL:
+    # taken inside that range, the backward (the larger share of the FLOPs) being the slower; the flash shape curve
+    # (``profiler/_cost.py``) takes it as its forward reference, so the A100's attention is if anything underrated.
+    # GEMM and attention at the sustained clock (Note: [sustained clocks]). NCCL:
     # github.com/NVIDIA/nccl-tests/issues/149, 8x A100-SXM4-80GB over NVLink (HPE Apollo 6500, NCCL 2.18): all-reduce
     # busbw ~200 GB/s of 300.
     "a100": _Datasheet(
         19.5 * TFLOPS, 312 * TFLOPS, 2.039e12, 32 * GB, 80 * 2**30,
         "NVIDIA A100 SXM4 80GB datasheet; PCIe Gen4 x16; NVLink 3 600 GB/s; DGX A100 8x IB HDR 200 Gb/s",
-        interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312, attention_efficiency=0.60,
-        memory_efficiency=_HBM_COPY, collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
+        interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312 * _A100_SUSTAINED,
+        attention_efficiency=0.60 * _A100_SUSTAINED,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: torch-performance-test-data#108 (A100 PCIe, bf16 4096^3, 234.1 TFLOPS); SDPA: "
-                          "FlashAttention-2 paper (50-73 % on A100), 0.60; HBM: assumed 0.90; NCCL: "
+                          "FlashAttention-2 paper (50-73 % on A100), 0.60; both at the sustained clock, x 211.7 / "
+                          "234.1 (the same sweep's 10240^3); HBM: 0.90 (ao#4054, TileOPs#512); kernel "
+                          "latency: 7.8 us (TileOPs#512 fit, H200); NCCL: "
                           "nccl-tests#149 (busbw ~200 of 300 GB/s)"),
     # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16 host interface
     # (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32 figure was found, so FP32 is
@@ -149,10 +194,11 @@ HARDWARE: dict[str, _Datasheet] = {
         313 * TFLOPS / 4, 313 * TFLOPS, 1.6e12, 64 * GB, 64 * 2**30,
         "Huawei Atlas 800T A2 / Ascend 910B public figures; PCIe 5.0 x16; HCCS 392 GB/s; 8x RoCE 200 Gb/s",
         interconnect_bandwidth=196 * GB, matmul_efficiency=0.80, attention_efficiency=0.35,
-        memory_efficiency=_HBM_COPY, collective_efficiency=0.80, internode_bandwidth=25 * GB,
+        memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
+        collective_efficiency=0.80, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: assumed 0.80 (torch-performance-test-data#109: 301.2 TFLOPS bf16 8192^3 on a "
                           "910B2, whose peak is not published); SDPA, HBM, HCCL: no public figure, assumed "
-                          "0.35, 0.90, 0.80"),
+                          "0.35, 0.90, 0.80; kernel latency: the NVIDIA parts' 7.8 us, assumed"),
 }
 
 NAMES = (*HARDWARE, "cpu")
@@ -174,6 +220,7 @@ def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareS
         source=f"{sheet.source}; kernel efficiencies: {sheet.efficiency_source}", fp32_flops=sheet.fp32_flops,
         half_flops=sheet.half_flops, matmul_efficiency=sheet.matmul_efficiency,
         attention_efficiency=sheet.attention_efficiency, memory_efficiency=sheet.memory_efficiency,
+        kernel_latency=sheet.kernel_latency,
     )
 
 

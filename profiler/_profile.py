@@ -75,12 +75,18 @@ class HardwareSpec:
     memory_efficiency: float = 1.0
     """Fraction of ``memory_bandwidth`` that memory-bound kernels reach (a STREAM-like copy); 1 for a measured
     spec (its bandwidth is already a measured copy)."""
+    kernel_latency: float = 0.0
+    """Seconds every estimated kernel takes beyond its roofline time (launch, ramp-up, tail), from published
+    microbenchmarks; 0 for a measured spec and for profiles written before the field."""
 
     def __post_init__(self) -> None:
         for key in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
                 raise ProfileError(f"hardware.{key}={value!r}: expected a number in (0, 1]")
+        latency = self.kernel_latency
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
+            raise ProfileError(f"hardware.kernel_latency={latency!r}: expected seconds in [0, 1)")
 
 
 @dataclass(frozen=True)

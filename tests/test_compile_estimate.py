@@ -3,13 +3,15 @@ the inductor-compiled CPU profile and on fake tensors."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import profiler
 from adaptive_mem import build_model
 from profiler import CompileBackendError, Profile
-from profiler._fusion import _kind
+from profiler._fusion import _Block, _fusion_factors, _kind
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +90,27 @@ def test_bad_input_is_refused_naming_the_key(fake):
         profiler.compiled_estimate(eager, backend="aot_eager")
     with pytest.raises(CompileBackendError, match=r"^profile.compiled.backend='inductor': already a compiled"):
         profiler.compiled_estimate(compiled)
+
+
+def test_a_fused_chain_keeps_one_kernel_latency_per_direction():
+    """Note: [compile model] (b): each fused chain is one kernel forward and one backward; of its ops' per-kernel
+    latencies (Note: [op pricing]) it keeps one per direction, its roofline seconds scaled as without latency."""
+    bundle = build_model("llama-tiny", device="meta")
+    spec = profiler.hardware_spec("h100")
+    latency = spec.kernel_latency
+    assert latency > 0
+    eager = {lat: profiler.profile_step(bundle, hardware=dataclasses.replace(spec, kernel_latency=lat))
+             for lat in (0.0, latency)}
+    compiled = {lat: profiler.compiled_estimate(p) for lat, p in eager.items()}
+    fused = 0
+    for layer in range(eager[latency].num_layers):
+        fused += sum(len(chain) - 1 for chain, _ in _fusion_factors(_Block(eager[latency], layer), {}))
+
+    def forward(p: Profile) -> float:
+        return sum(o.fwd_time for o in p.ops)
+    # every op's forward is one kernel in eager: the latency profile's surplus is one latency per op, less one per
+    # op fused into another's kernel once compiled
+    surplus = forward(compiled[latency]) - forward(compiled[0.0])
+    assert forward(eager[latency]) - forward(eager[0.0]) == pytest.approx(latency * len(eager[latency].ops))
+    assert surplus == pytest.approx(latency * (len(eager[latency].ops) - fused))
+    assert fused > 0

@@ -65,7 +65,7 @@ def test_fits_flips_when_the_run_is_sharded():
     assert eight.fits and eight.headroom_bytes > 0
     assert eight.layout.data_parallel == 8 and eight.layout.zero == 3
     assert eight.peak_allocated_bytes < one.peak_allocated_bytes - 50 * 2**30
-    assert eight.mfu > 0.2  # autocast's matmuls timed at the bf16 peak, not at the fp32 parameters' one
+    assert eight.mfu > 0.15  # autocast's matmuls timed at the bf16 peak (at the fp32 one: under 0.07)
 
 
 def test_ours_without_a_fitting_plan_says_so():
