@@ -229,7 +229,8 @@ def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_lay
         backward_time=sum(m.backward_time for m in models),
         bandwidth=float(models[0].profile.model.get("data_parallel_bandwidth")
                         or models[0].profile.model.get("interconnect_bandwidth") or 0.0),
-        precision=models[0].profile.model.get("precision"))
+        precision=models[0].profile.model.get("precision"),
+        slowdown=models[0].profile.hardware.comm_compute_slowdown)
     return {"stage": s, "predicted_peak_bytes": int(peak), "micro_batch_time": busy,
             "optimizer_time": mine[0][0].model.profile.optimizer_time * share,
             "comm_time": comm.total, "exposed_comm_time": comm.exposed}

@@ -63,6 +63,8 @@ class _Datasheet:
     """Where the efficiencies come from (the comments of :data:`HARDWARE` give each figure and its shape)."""
     kernel_latency: float = 0.0
     """Seconds a kernel takes beyond its roofline time (launch, ramp-up, tail), added to every estimated op."""
+    comm_compute_slowdown: float = 0.0
+    """Fraction of compute throughput lost while a collective overlaps it (Note: [comm contention])."""
 
     @property
     def effective_interconnect(self) -> float:
@@ -126,6 +128,21 @@ _KERNEL_LATENCY = 7.8e-6
 13.8, 22.6, 37.3 us for 25, 63, 126 MB). No H100 or A100 figure was found: the H200's (same CUDA launch path) is
 taken for every NVIDIA part and assumed for the Ascend."""
 
+_NCCL_SMS_H100 = 24 / 132
+"""Note: [comm contention] an NCCL collective is one kernel of one thread block per channel, and each block holds
+its SM for the collective's whole length: "NCCL CTAs won't share an SM with compute kernels" (the NCCL
+maintainer, github.com/NVIDIA/nccl/issues/689). On an H100 (132 SMs) Nsight Systems shows FSDP's all-gather kernel
+launching 24 blocks beside a 132-block GEMM (forums.developer.nvidia.com threads 337991 and 339078): one per ring
+NCCL builds over NVSwitch (an HGX A100 builds as many, :data:`_NCCL_SMS_A100`). Compute that
+overlaps a collective therefore runs on 108 of 132 SMs: 24 / 132 = 0.18 of its throughput lost while the
+collective runs. A lower bound: the same forum thread measured a 132-block GEMM at about half its speed beside
+the all-gather (an extra wave of blocks), and the collective also takes HBM bandwidth (nccl#1433); neither is
+counted. Assumed: the intra-node channel count for every data-parallel group (across nodes NCCL may use fewer SMs,
+16 on a DGX with 8 NICs per nccl#689), and the H100's figure for the H200 (same 132 SMs, same NVLink 4)."""
+_NCCL_SMS_A100 = 24 / 108
+"""The A100 (108 SMs) over NVSwitch: NCCL's 24 rings on an HGX A100 (``Channel n/24``,
+github.com/NVIDIA/nccl-tests/issues/100), one SM each (Note: [comm contention])."""
+
 HARDWARE: dict[str, _Datasheet] = {
     # NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB): FP32 67 TFLOPS, BF16 989.4 TFLOPS dense
     # (1979 with sparsity), HBM3 3.35 TB/s, 80 GB; host link PCIe Gen5 x16 = 64 GB/s per direction.
@@ -135,12 +152,13 @@ HARDWARE: dict[str, _Datasheet] = {
         "NVIDIA H100 SXM5 datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H100 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
-        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB, comm_compute_slowdown=_NCCL_SMS_H100,
         efficiency_source="GEMM: torch-performance-test-data#79 (bf16 8192^3, 797.5 TFLOPS); SDPA: "
                           "pytorch#142132 (flash fwd, d128, 329.5 TFLOPS; shape curve: arXiv 2407.08608); both at "
                           "the sustained clock, x 719.7 / 797.5 (the same sweep's 10240^3); HBM: 0.90 "
                           "(ao#4054, TileOPs#512); kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
-                          "nccl-tests#212 (ring busbw 370 of 450 GB/s)"),
+                          "nccl-tests#212 (ring busbw 370 of 450 GB/s); contention: 24 of 132 SMs (nccl#689, "
+                          "nccl-tests#100)"),
     # NVIDIA H200 Tensor Core GPU datasheet (SXM 141GB): same Hopper compute as H100 SXM,
     # HBM3e 4.8 TB/s, 141 GB; PCIe Gen5 x16 = 64 GB/s per direction; NVLink 4; DGX H200: 8x IB NDR 400 Gb/s.
     # No H200 GEMM or SDPA microbenchmark was found: the H100's fractions (same SMs, same kernels) are assumed.
@@ -151,11 +169,12 @@ HARDWARE: dict[str, _Datasheet] = {
         "NVIDIA H200 SXM datasheet; PCIe Gen5 x16; NVLink 4 900 GB/s; DGX H200 8x IB NDR 400 Gb/s",
         interconnect_bandwidth=450 * GB, matmul_efficiency=_H100_GEMM, attention_efficiency=_H100_SDPA,
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
-        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB,
+        collective_efficiency=_NVLINK_RING, internode_bandwidth=50 * GB, comm_compute_slowdown=_NCCL_SMS_H100,
         efficiency_source="H100's GEMM and SDPA fractions, at its sustained clock, assumed (same Hopper SMs); "
                           "HBM: 0.90 (ao#4054, TileOPs#512); "
                           "kernel latency: 7.8 us (TileOPs#512 fit); NCCL: "
-                          "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200)"),
+                          "nccl-tests#212 ring fraction (nccl-tests#272: NVLS all-reduce 475 GB/s on 8x H200); "
+                          "contention: the H100's 24 of 132 SMs"),
     # NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB): FP32 19.5 TFLOPS, BF16 312 TFLOPS dense, HBM2e 2039 GB/s, 80
     # GB; PCIe Gen4 x16 = 32 GB/s per direction; NVLink 3: 600 GB/s bidirectional per GPU; DGX A100: 8 GPUs, 8x 200 Gb/s
     # InfiniBand HDR = 25 GB/s per GPU. GEMM: github.com/zzc0721/torch-performance-test-data/issues/108,
@@ -173,12 +192,13 @@ HARDWARE: dict[str, _Datasheet] = {
         interconnect_bandwidth=300 * GB, matmul_efficiency=234.14 / 312 * _A100_SUSTAINED,
         attention_efficiency=0.60 * _A100_SUSTAINED,
         memory_efficiency=_HBM_COPY, kernel_latency=_KERNEL_LATENCY,
-        collective_efficiency=200 / 300, internode_bandwidth=25 * GB,
+        collective_efficiency=200 / 300, internode_bandwidth=25 * GB, comm_compute_slowdown=_NCCL_SMS_A100,
         efficiency_source="GEMM: torch-performance-test-data#108 (A100 PCIe, bf16 4096^3, 234.1 TFLOPS); SDPA: "
                           "FlashAttention-2 paper (50-73 % on A100), 0.60; both at the sustained clock, x 211.7 / "
                           "234.1 (the same sweep's 10240^3); HBM: 0.90 (ao#4054, TileOPs#512); kernel "
                           "latency: 7.8 us (TileOPs#512 fit, H200); NCCL: "
-                          "nccl-tests#149 (busbw ~200 of 300 GB/s)"),
+                          "nccl-tests#149 (busbw ~200 of 300 GB/s); contention: 24 of 108 SMs (nccl#689, "
+                          "nccl-tests#100)"),
     # Huawei Ascend 910B (Atlas 800T A2): FP16 cube ~313 TFLOPS, 64 GB HBM2e at ~1.6 TB/s, PCIe 5.0 x16 host interface
     # (64 GB/s per direction). Public figures vary by SKU (910B1..B4); no public FP32 figure was found, so FP32 is
     # assumed to run at 1/4 of the FP16 cube rate. The 8 NPUs of an Atlas 800T A2 are a full mesh of HCCS links, 7 x 56
@@ -198,7 +218,8 @@ HARDWARE: dict[str, _Datasheet] = {
         collective_efficiency=0.80, internode_bandwidth=25 * GB,
         efficiency_source="GEMM: assumed 0.80 (torch-performance-test-data#109: 301.2 TFLOPS bf16 8192^3 on a "
                           "910B2, whose peak is not published); SDPA, HBM, HCCL: no public figure, assumed "
-                          "0.35, 0.90, 0.80; kernel latency: the NVIDIA parts' 7.8 us, assumed"),
+                          "0.35, 0.90, 0.80; kernel latency: the NVIDIA parts' 7.8 us, assumed; contention: no "
+                          "public figure, 0"),
 }
 
 NAMES = (*HARDWARE, "cpu")
@@ -220,7 +241,7 @@ def hardware_spec(name: str, *, dtype: torch.dtype = torch.float32) -> HardwareS
         source=f"{sheet.source}; kernel efficiencies: {sheet.efficiency_source}", fp32_flops=sheet.fp32_flops,
         half_flops=sheet.half_flops, matmul_efficiency=sheet.matmul_efficiency,
         attention_efficiency=sheet.attention_efficiency, memory_efficiency=sheet.memory_efficiency,
-        kernel_latency=sheet.kernel_latency,
+        kernel_latency=sheet.kernel_latency, comm_compute_slowdown=sheet.comm_compute_slowdown,
     )
 
 

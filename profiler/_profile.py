@@ -78,6 +78,9 @@ class HardwareSpec:
     kernel_latency: float = 0.0
     """Seconds every estimated kernel takes beyond its roofline time (launch, ramp-up, tail), from published
     microbenchmarks; 0 for a measured spec and for profiles written before the field."""
+    comm_compute_slowdown: float = 0.0
+    """Fraction of compute throughput lost while a data-parallel collective runs beside it (the collective
+    library's kernels hold SMs), from published figures; 0 for a measured spec and for older profiles."""
 
     def __post_init__(self) -> None:
         for key in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
@@ -87,6 +90,9 @@ class HardwareSpec:
         latency = self.kernel_latency
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or not 0 <= latency < 1:
             raise ProfileError(f"hardware.kernel_latency={latency!r}: expected seconds in [0, 1)")
+        slowdown = self.comm_compute_slowdown
+        if isinstance(slowdown, bool) or not isinstance(slowdown, (int, float)) or not 0 <= slowdown < 1:
+            raise ProfileError(f"hardware.comm_compute_slowdown={slowdown!r}: expected a fraction in [0, 1)")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,10 @@ path, as Megatron runs them. The collectives here run on their own stream beside
 * ZeRO 3 (FSDP): all-gather of each layer's parameters (in the dtype the forward reads them in) before its
   forward and again before its backward, every micro-batch, prefetched one layer ahead: hidden behind the
   previous layer's compute except the first layer's gather in each pass.
+
+The collective library's kernels hold SMs while they run, so compute beside them is slower: every overlapped second
+of a collective adds ``slowdown`` seconds to the step (``HardwareSpec.comm_compute_slowdown``, Note: [comm
+contention] in ``profiler/_hardware.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +36,10 @@ class CommTime:
     total: float
     """Seconds on the communication stream per step."""
     exposed: float
-    """Of them, seconds compute waits for (added to the step)."""
+    """Seconds added to the step: what compute waits for, plus ``contention``."""
+    contention: float = 0.0
+    """Of ``exposed``, seconds compute loses to the collectives it overlaps: ``slowdown x`` their overlapped
+    seconds (an overlapped second of compute does ``1 - slowdown`` of its work; the rest runs after)."""
 
 
 def _overlapped(comm: float, compute: float, layers: int) -> float:
@@ -47,12 +54,13 @@ def _overlapped(comm: float, compute: float, layers: int) -> float:
 
 def data_parallel_comm(layout: Layout, *, gradient_bytes: int, parameter_bytes: int, layers: int,
                        forward_time: float, backward_time: float, bandwidth: float,
-                       precision: str | None = None) -> CommTime:
+                       precision: str | None = None, slowdown: float = 0.0) -> CommTime:
     """Per-rank DP/ZeRO communication for one step. ``gradient_bytes`` / ``parameter_bytes``: the rank's
     unsharded-by-DP gradients and parameters as stored (TP and PP already applied); ``forward_time`` /
     ``backward_time``: one micro-batch on this rank; ``layers``: the rank's layers (bucket count);
     ``precision``: the profile's recipe (``profiler.PRECISIONS``), whose all-gathers move the parameters in the
-    dtype the forward reads them in (``fsdp2-bf16``: bf16 copies of fp32 shards, half the stored bytes)."""
+    dtype the forward reads them in (``fsdp2-bf16``: bf16 copies of fp32 shards, half the stored bytes);
+    ``slowdown``: the fraction of compute throughput a collective beside it takes (0: none)."""
     d, z, m = layout.data_parallel, layout.zero, layout.micro_batches
     if d == 1:
         return CommTime(0.0, 0.0)
@@ -69,4 +77,7 @@ def data_parallel_comm(layout: Layout, *, gradient_bytes: int, parameter_bytes: 
         gather = collective_time(parameter_bytes, ranks=d, bandwidth=bandwidth, kind="all_gather")
         total += 2 * m * gather
         exposed += m * (_overlapped(gather, forward_time, layers) + _overlapped(gather, backward_time, layers))
-    return CommTime(total, exposed)
+    # every collective is ready by the end of its compute, so the stream is busy from then until it drains:
+    # its exposed seconds are all past compute, and the rest of ``total`` overlaps compute
+    contention = slowdown * (total - exposed)
+    return CommTime(total, exposed + contention, contention)

@@ -26,6 +26,7 @@ PROFILE_KEYS = [
     ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("hardware", "disk_bandwidth"),
     ("hardware", "fp32_flops"), ("hardware", "half_flops"), ("hardware", "matmul_efficiency"),
     ("hardware", "attention_efficiency"), ("hardware", "memory_efficiency"), ("hardware", "kernel_latency"),
+    ("hardware", "comm_compute_slowdown"),
     ("saved_input_bytes",),
     ("peak_memory",), ("step_time",), ("unattributed_time",), ("optimizer_time",), ("num_layers",),
     ("model", "batch_size"), ("model", "seq_len"),
