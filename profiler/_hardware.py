@@ -130,15 +130,16 @@ taken for every NVIDIA part and assumed for the Ascend."""
 
 _NCCL_SMS_H100 = 24 / 132
 """Note: [comm contention] an NCCL collective is one kernel of one thread block per channel, and each block holds
-its SM for the collective's whole length: "NCCL CTAs won't share an SM with compute kernels" (the NCCL
-maintainer, github.com/NVIDIA/nccl/issues/689). On an H100 (132 SMs) Nsight Systems shows FSDP's all-gather kernel
-launching 24 blocks beside a 132-block GEMM (forums.developer.nvidia.com threads 337991 and 339078): one per ring
-NCCL builds over NVSwitch (an HGX A100 builds as many, :data:`_NCCL_SMS_A100`). Compute that
-overlaps a collective therefore runs on 108 of 132 SMs: 24 / 132 = 0.18 of its throughput lost while the
-collective runs. A lower bound: the same forum thread measured a 132-block GEMM at about half its speed beside
-the all-gather (an extra wave of blocks), and the collective also takes HBM bandwidth (nccl#1433); neither is
-counted. Assumed: the intra-node channel count for every data-parallel group (across nodes NCCL may use fewer SMs,
-16 on a DGX with 8 NICs per nccl#689), and the H100's figure for the H200 (same 132 SMs, same NVLink 4)."""
+its SM for the collective's whole length: NCCL's blocks take all of an SM's registers, so no compute block shares
+their SMs (the NCCL maintainer, github.com/NVIDIA/nccl/issues/689). On an H100 (132 SMs) Nsight Systems shows an
+NCCL all-gather (a test mimicking FSDP's prefetch) launching 24 blocks beside a 132-block GEMM
+(forums.developer.nvidia.com threads 337991 and 339078): one per channel NCCL builds over NVSwitch (an HGX A100
+builds as many, :data:`_NCCL_SMS_A100`). Compute that overlaps a collective therefore runs on 108 of 132 SMs:
+24 / 132 = 0.18 of its throughput lost while the collective runs. A lower bound: the same forum thread measured
+a 132-block GEMM at about half its speed beside the all-gather (an extra wave of blocks), and the collective also
+takes HBM bandwidth (nccl#1433); neither is counted. Assumed: the intra-node channel count for every
+data-parallel group (across nodes NCCL may use fewer SMs, 16 on a DGX with 8 NICs per nccl#689), and the H100's
+figure for the H200 (same 132 SMs, same NVLink 4)."""
 _NCCL_SMS_A100 = 24 / 108
 """The A100 (108 SMs) over NVSwitch: NCCL's 24 rings on an HGX A100 (``Channel n/24``,
 github.com/NVIDIA/nccl-tests/issues/100), one SM each (Note: [comm contention])."""
