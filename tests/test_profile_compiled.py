@@ -92,7 +92,19 @@ def test_bad_backend_and_fake_tensors_are_refused(profiles, tmp_path, capsys):
         profiler.profile_compiled(bundle, compiled, backend="aot_eager")
     assert main(["profile", "--model", "llama-tiny", "--device", "meta", "--compile", "aot_eager"]) == 2
     err = capsys.readouterr().err.strip()
-    assert "--compile='aot_eager' with --device meta: expected a real device" in err and len(err.splitlines()) == 1
+    assert "--compile='aot_eager' with --device meta: expected inductor" in err and len(err.splitlines()) == 1
+
+
+def test_meta_profile_with_inductor_is_the_compile_model(tmp_path):
+    """Note: [compile model] on fake tensors ``--compile inductor`` is ``profiler.compiled_estimate`` of the eager
+    fake profile, written as a compiled profile (``compiled.modelled``)."""
+    out, eager_out = tmp_path / "c.json", tmp_path / "e.json"
+    base = ["profile", "--model", "llama-tiny", "--device", "meta", "--hardware", "h100"]
+    assert main([*base, "--compile", "inductor", "-o", str(out)]) == 0
+    assert main([*base, "-o", str(eager_out)]) == 0
+    written, eager = profiler.Profile.load(out), profiler.Profile.load(eager_out)
+    assert written.compiled and written.compiled.get("modelled") is True
+    assert written.to_dict() == profiler.compiled_estimate(eager).to_dict()
 
 
 def test_profile_command_writes_the_compiled_profile(tmp_path):

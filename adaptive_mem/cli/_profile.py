@@ -56,7 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="profile the model with every block compiled by this torch.compile backend (inductor, "
                              "aot_eager): what each compiled block saves and its times, for keep and full recompute "
-                             "(profile.compiled); plans searched on it are for the model compiled per block")
+                             "(profile.compiled); plans searched on it are for the model compiled per block; with "
+                             "--device meta, inductor modelled (profiler.compiled_estimate)")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
     from ._layout_args import add_layout_arguments
 
@@ -110,9 +111,9 @@ def run(args: argparse.Namespace) -> int:
         from profiler.tracing import check_backend
 
         check_backend(args.compile)
-        if args.device == "meta":
-            raise ValueError(f"--compile={args.compile!r} with --device meta: expected a real device (compiled "
-                             "blocks are measured)")
+        if args.device == "meta" and args.compile != "inductor":
+            raise ValueError(f"--compile={args.compile!r} with --device meta: expected inductor (modelled on fake "
+                             "tensors: profiler.compiled_estimate) or a real device (compiled blocks are measured)")
     output = Path(args.output) if args.output else None
     if output is not None and not output.parent.exists():
         raise ValueError(f"--output={args.output!r}: directory {str(output.parent)!r} does not exist")
@@ -122,8 +123,11 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate and bundle.is_fake:
         raise ValueError(f"--calibrate with --device {args.device}: expected a real device (fake tensors "
                          "have no copies to time)")
+    modelled = args.compile if bundle.is_fake else None  # Note: [compile model]: inductor on fake tensors
     result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower(),
-                                   compile=args.compile, precision=args.precision)
+                                   compile=None if modelled else args.compile, precision=args.precision)
+    if modelled:
+        result = profiler.compiled_estimate(result, backend=modelled)
     if args.calibrate:
         from adaptive_mem.adaptive._calibrate import calibrate
 
