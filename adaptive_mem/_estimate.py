@@ -20,7 +20,7 @@ from typing import Any
 import profiler
 import torch
 from profiler import Layout, Profile
-from profiler.tracing import group_bandwidth, parameter_split, precision_of
+from profiler.tracing import precision_of, rank_share
 from search import (DeviceMemoryError, InfeasibleBudgetError, Plan, PredictedCost, SolveResult, SolverStats, StepModel,
                     fmt_bytes)
 from search.planning import reserved_at_peak, resolve, simulate_assignment
@@ -181,18 +181,6 @@ def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str,
     return f"hf:{family}", {**args, **parse_model_args(model_args)}
 
 
-def _rank_profile(profile: Profile, bundle: Any, layout: Layout, hardware: str) -> Profile:
-    """One rank's share of the profiled step (as ``adaptive-mem profile`` cuts it)."""
-    if layout == Layout():
-        return profile
-    split = parameter_split(bundle.model, profile.layer_info(), tensor_parallel=layout.tensor_parallel)
-    sheet = profiler.HARDWARE[hardware]
-    return profiler.shard_profile(profile, layout=layout, split=split,
-                                  interconnect=group_bandwidth(sheet, layout.tensor_parallel),
-                                  data_parallel_bandwidth=group_bandwidth(
-                                      sheet, layout.tensor_parallel * layout.data_parallel))
-
-
 def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]:
     """Peak bytes of the busiest rank and the step's seconds of ``plan``, stage by stage as :func:`search`
     figures its own plans."""
@@ -290,7 +278,7 @@ def estimate(model: str, *, hardware: str = "h100", gpus: int = 1, precision: st
     whole = profiler.profile_step(bundle, hardware=spec, optimizer="adam", precision=recipe.name)
     if compile:
         whole = profiler.compiled_estimate(whole)
-    rank = _rank_profile(whole, bundle, lay, name)
+    rank = whole if lay == Layout() else rank_share(whole, bundle.model, lay)  # as `adaptive-mem profile` cuts it
     lay = Layout.from_dict(rank.model["layout"]) if rank.model.get("layout") else lay
     plan, allocated, step, note = _figures(rank, ac, lay, solver)
     tokens = bundle.batch_size * bundle.seq_len * lay.micro_batches  # one data-parallel replica's step

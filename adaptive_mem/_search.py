@@ -15,7 +15,8 @@ from typing import Any, Callable, Mapping
 
 from profiler import HardwareSpec, Layout, Profile, hardware_spec, is_cuda_hardware
 from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, StepModel, fmt_bytes, get_solver, merge_plans, minimum_budget)
-from search.planning import Stage, check_feasible, in_flight, pipeline_step_time, simulate_assignment, split_layout
+from search.planning import (Stage, check_feasible, in_flight, pipeline_step_time, rank_peak, simulate_assignment,
+                             split_layout)
 from search import DeviceMemoryError
 from search.planning import activation_peak, device_capacity, device_shortfall, keep_all
 from search.planning import data_parallel_comm
@@ -190,21 +191,19 @@ def chunk_budgets(stages: list[Stage], budget: Budget, layout: Layout) -> list[B
 
 
 def _rank_budgets(s: int, mine: list[Stage], total: int) -> list[Budget]:
-    """Note: [chunk budgets] a rank's chunks share one device: its predicted peak is the chunks' peaks added (the
-    buffers, whole in every chunk's model, counted once: ``_rank``), so chunk budgets adding up to the rank's
-    budget plus the buffers counted again keep the rank within its budget. Each chunk gets its minimum feasible
-    peak and the rest is shared in proportion to what each chunk's keep-all peak needs beyond its minimum; a
-    budget below the chunks' minimums together is refused."""
-    shared = mine[0].model.profile.static.buffers  # whole in every chunk's model, held once by the rank
-    static = sum(st.model.static_bytes for st in mine) - (len(mine) - 1) * shared
+    """Note: [chunk budgets] a rank's predicted peak is its chunks' peaks as ``rank_peak`` adds them (Note: [rank
+    peak]), so chunk budgets whose ``rank_peak`` is the rank's budget keep the rank within it. Each chunk gets its
+    minimum feasible peak and the rest is shared in proportion to what each chunk's keep-all peak needs beyond its
+    minimum; a budget below the chunks' minimums together is refused."""
+    static = rank_peak(mine, [st.model.static_bytes for st in mine])
     if total <= static:
         raise DeviceMemoryError(f"stage {s}: static memory {fmt_bytes(static)} (parameters, gradients, optimizer "
                                 f"state of its {len(mine)} chunks) exceeds the budget {fmt_bytes(total)}; "
                                 "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
     least = [minimum_budget(st.model, in_flight=st.in_flight)[0] for st in mine]
-    room = total + (len(mine) - 1) * shared - sum(least)
+    together = rank_peak(mine, least)
+    room = total - together
     if room < 0:
-        together = sum(least) - (len(mine) - 1) * shared
         raise InfeasibleBudgetError(f"stage {s}: --budget {fmt_bytes(total)} is below the minimum feasible "
                                     f"{fmt_bytes(together)} ({together} bytes) of its {len(mine)} chunks together; "
                                     "expected a larger --budget or more sharding (--zero, --tensor-parallel)")
@@ -216,8 +215,7 @@ def _rank_budgets(s: int, mine: list[Stage], total: int) -> list[Budget]:
 
 def _rank(s: int, mine: list[tuple[Stage, SolveResult]], layout: Layout, num_layers: int) -> dict:
     """One pipeline rank's predicted peak (its chunks together), seconds per micro-batch and communication."""
-    shared = mine[0][0].model.profile.static.buffers
-    peak = sum(r.plan.meta.get("predicted_peak_bytes", r.cost.peak_bytes) for _, r in mine) - (len(mine) - 1) * shared
+    peak = rank_peak([st for st, _ in mine], [r.plan.meta.get("predicted_peak_bytes", r.cost.peak_bytes) for _, r in mine])
     busy = sum(r.cost.step_time - st.model.other_time for st, r in mine)
     share = sum(len(st.layers) for st, _ in mine) / max(num_layers, 1)
     models = [st.model for st, _ in mine]

@@ -29,7 +29,7 @@ from profiler import Layout
 from search import (Action, Budget, Decision, InfeasibleBudgetError, Plan, fmt_bytes, get_solver, parse_bytes,
                     simulate)
 from search.planning import chunk_layers, pipeline_step_time, split_layout
-from profiler.tracing import group_bandwidth, parameter_split, precision_of
+from profiler.tracing import precision_of, rank_share
 
 MODEL_ARGS = dict(num_layers=8, hidden_size=12288, intermediate_size=32768, num_heads=96, num_kv_heads=96,
                   vocab_size=50257, max_seq_len=8192)
@@ -53,12 +53,7 @@ def rank_profile(layout: Layout, batch: int, precision: str | None = None) -> pr
     hardware = profiler.hardware_spec("ascend-910b", dtype=getattr(torch, recipe.compute if recipe else dtype))
     whole = profiler.profile_step(bundle, hardware=hardware, optimizer="adam",
                                   precision=recipe.name if recipe else None)
-    split = parameter_split(bundle.model, whole.layer_info(), tensor_parallel=layout.tensor_parallel)
-    sheet = profiler.HARDWARE["ascend-910b"]  # Note: [group links]: each group on the link it spans
-    return profiler.shard_profile(whole, layout=layout, split=split,
-                                  interconnect=group_bandwidth(sheet, layout.tensor_parallel),
-                                  data_parallel_bandwidth=group_bandwidth(
-                                      sheet, layout.tensor_parallel * layout.data_parallel))
+    return rank_share(whole, bundle.model, layout)  # each group on the link it spans (Note: [group links])
 
 
 def megatron_block(layout: Layout, num_layers: int, n: int) -> Plan:

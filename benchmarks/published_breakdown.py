@@ -23,10 +23,9 @@ from pathlib import Path
 
 import profiler
 import torch
-from adaptive_mem import ac_plan, build_model, estimate
-from adaptive_mem._estimate import _rank_profile
+from adaptive_mem import ac_plan, build_model
 from profiler import Layout
-from profiler.tracing import precision_of
+from profiler.tracing import precision_of, rank_share
 from search import StepModel, simulate
 from search.planning import resolve, split_layout
 
@@ -49,7 +48,7 @@ def _profiles(run: published_runs.Run) -> tuple[profiler.Profile, profiler.Profi
     if run.compiled and published_runs.COMPILE_MODELLED:
         whole = profiler.compiled_estimate(whole)
     layout = Layout(data_parallel=kw["gpus"], zero=kw.get("zero", 0))
-    return whole, _rank_profile(whole, bundle, layout, kw["hardware"]), bundle
+    return whole, rank_share(whole, bundle.model, layout), bundle
 
 
 def _static(static: profiler.StaticMemory) -> str:

@@ -44,7 +44,7 @@ from ._precision import PRECISIONS, SHARDED_FROM, Precision, precision_layout
 from ._profile import OpRecord, Profile, StaticMemory, UnitRecord
 from ._units import LayerInfo
 
-__all__ = ["ParameterSplit", "collective_time", "ddp_bucket_bytes", "fsdp_buffer_bytes", "group_bandwidth",
+__all__ = ["ParameterSplit", "collective_time", "ddp_bucket_bytes", "fsdp_buffer_bytes", "group_bandwidth", "rank_share",
            "parameter_split", "rank_static", "shard_profile", "tp_roles"]
 
 _LINEARS = ("Linear", "Conv1D", "NonDynamicallyQuantizableLinear")
@@ -180,6 +180,21 @@ def group_bandwidth(sheet: Any, ranks_span: int) -> float:
         return inside
     across = getattr(sheet, "effective_internode", None) or getattr(sheet, "internode_bandwidth", None)
     return float(across or inside)
+
+
+def rank_share(profile: Profile, model: nn.Module, layout: Layout) -> Profile:
+    """One rank's share of ``profile`` (of ``model``) under ``layout``: the parameter split read from the model and
+    each group's link on the profile's named hardware (Note: [group links]; a TP group spans ``t`` GPUs, a DP group
+    ``t x d``; no links for hardware without a datasheet), cut by :func:`shard_profile`."""
+    from ._hardware import HARDWARE
+
+    split = parameter_split(model, profile.layer_info(), tensor_parallel=layout.tensor_parallel)
+    sheet = HARDWARE.get(profile.hardware.name)
+    if sheet is None:
+        return shard_profile(profile, layout=layout, split=split, interconnect=0.0)
+    return shard_profile(profile, layout=layout, split=split,
+                         interconnect=group_bandwidth(sheet, layout.tensor_parallel),
+                         data_parallel_bandwidth=group_bandwidth(sheet, layout.tensor_parallel * layout.data_parallel))
 
 
 def shard_profile(profile: Profile, *, layout: Layout, split: ParameterSplit, interconnect: float,

@@ -10,12 +10,12 @@ from ._precision import precision_of
 from ._recorder import OpEvent, Recorder, local_shard, no_cycle
 from ._saved import SavedOutputs, saved_output_units, saved_outputs
 from ._shard import (ParameterSplit, collective_time, ddp_bucket_bytes, fsdp_buffer_bytes, group_bandwidth,
-                     parameter_split, rank_static, tp_roles)
+                     parameter_split, rank_share, rank_static, tp_roles)
 from ._static import static_memory, unique_bytes
 from ._step import StepTarget
 from ._timing import timed
 
 __all__ = ["OpEvent", "ParameterSplit", "Recorder", "SavedOutputs", "StepTarget", "check_backend",
            "collective_time", "ddp_bucket_bytes", "fsdp_buffer_bytes", "group_bandwidth", "install_fake_fallbacks", "local_shard", "no_cycle", "parameter_split",
-           "precision_of", "rank_static", "saved_output_units", "saved_outputs", "static_memory", "timed",
+           "precision_of", "rank_share", "rank_static", "saved_output_units", "saved_outputs", "static_memory", "timed",
            "tp_roles", "unique_bytes"]

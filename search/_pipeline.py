@@ -17,7 +17,8 @@ from profiler.tracing import ddp_bucket_bytes
 from ._model import StepModel
 from ._plan import Plan, PlanError
 
-__all__ = ["Stage", "StageStatic", "busiest_stage", "merge_plans", "split_layout", "split_stages", "stage_static",
+__all__ = ["Stage", "StageStatic", "busiest_stage", "merge_plans", "rank_peak", "split_layout", "split_stages",
+           "stage_static",
            "stage_statics"]
 
 
@@ -193,6 +194,13 @@ def stage_statics(profile: Profile, layout: Layout) -> list[StageStatic]:
                                                                               _recorded_layout(profile)))
         out.append(StageStatic(s, tuple(ranges[s]), s == 0, s == p - 1, replace(parts[0], **summed)))
     return out
+
+
+def rank_peak(chunks: list[Stage], peaks: list[int]) -> int:
+    """Note: [rank peak] a pipeline rank's peak from its chunks' ``peaks``: its chunks share one device, so their
+    peaks add, but the buffers every chunk's model holds whole (module buffers, ZeRO-3's gathered layers) are held
+    once by the rank."""
+    return int(sum(peaks)) - (len(chunks) - 1) * chunks[0].model.profile.static.buffers
 
 
 def busiest_stage(profile: Profile, layout: Layout) -> StageStatic:

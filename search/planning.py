@@ -8,7 +8,8 @@ from ._assignment import Assignment
 from ._budget import activation_peak, check_feasible, device_capacity, device_shortfall, keep_all, min_candidates
 from ._collectives import data_parallel_comm
 from ._match import check_plan_matches
-from ._pipeline import Stage, StageStatic, busiest_stage, split_layout, split_stages, stage_static, stage_statics
+from ._pipeline import (Stage, StageStatic, busiest_stage, rank_peak, split_layout, split_stages, stage_static,
+                        stage_statics)
 from ._plan import KEEP, matches
 from ._reserve import reserved_at_peak
 from ._scaling import keep_all_step_time
@@ -23,5 +24,6 @@ __all__ = ["Assignment", "Interval", "KEEP", "Stage", "StageStatic", "Timeline",
            "check_feasible",
            "check_plan_matches", "chunk_layers", "data_parallel_comm", "device_capacity", "device_shortfall",
            "fmt_seconds", "in_flight", "keep_all", "keep_all_step_time", "load_document", "matches",
-           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "reserved_at_peak", "resolve",
+           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "rank_peak", "reserved_at_peak",
+           "resolve",
            "segments", "simulate_assignment", "split_layout", "split_stages", "stage_static", "stage_statics"]

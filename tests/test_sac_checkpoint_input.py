@@ -9,9 +9,9 @@ hf:qwen2 in fp32 (the norm saves the block input itself: held once, by the previ
 Compared per plan: the bytes the forward leaves alive for backward against the segments' held bytes, equal up to
 the CPU RNG state each checkpoint saves (``preserve_rng_state``: host memory on an accelerator, a few KiB per
 layer); and, on llama-small, the step's peak within 5 % (the model's own: what else the process holds on the
-counted device is taken out). The peak is not compared on hf:qwen2's few-KiB layers:
-there the activation gradients inside a recomputed layer's backward, which the simulator does not model, are
-10-15 % of it.
+counted device is taken out). On hf:qwen2's few-KiB layers the simulated peak is under the measured one by at
+most 20 %: there the activation gradients inside a recomputed layer's backward, which the simulator does not
+model, are 10-15 % of it.
 """
 
 from __future__ import annotations
@@ -113,7 +113,10 @@ def test_a_bf16_block_input_is_held_only_by_the_checkpoint(measured):
 @pytest.mark.parametrize("kind", ["op", "full", "milp"])
 def test_simulated_peak_is_within_five_percent(measured, kind):
     name, _, out = measured
-    if not name.startswith("llama-small"):
-        pytest.skip("the peak of hf:qwen2's few-KiB layers is the backward's gradients (module docstring)")
     _, _, peak, _, _, measured_peak = out[kind]
+    if not name.startswith("llama-small"):
+        # hf:qwen2's few-KiB layers: the activation gradients inside a recomputed layer's backward, not simulated
+        # (module docstring), are 10-15 % of the peak: the simulated peak is under the measured one by at most that
+        assert 0.8 * measured_peak <= peak <= measured_peak, (name, kind, peak, measured_peak)
+        return
     assert peak == pytest.approx(measured_peak, rel=0.05), (name, kind, peak, measured_peak)

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import profiler
 import torch
-from profiler.tracing import group_bandwidth, parameter_split, precision_of
+from profiler.tracing import precision_of, rank_share
 from search import fmt_bytes
-from search.planning import busiest_stage, device_shortfall, keep_all, simulate_assignment, split_layout
+from search.planning import busiest_stage, device_shortfall, keep_all, rank_peak, simulate_assignment, split_layout
 
 from adaptive_mem._model_spec import DTYPES, FORMS, build_model
 from adaptive_mem.config._layout import positive_int
@@ -153,8 +153,8 @@ def _busiest_rank(result: profiler.Profile) -> tuple[int, str]:
     layout = profiler.Layout.from_dict(result.model["layout"])
     busiest = busiest_stage(result, layout)
     mine = [st for st in split_layout(result, layout=layout) if st.index == busiest.index]
-    peak = sum(simulate_assignment(st.model, keep_all(st.model), in_flight=st.in_flight).peak_bytes for st in mine)
-    peak -= (len(mine) - 1) * result.static.buffers  # held once by the rank, in each chunk's model
+    peak = rank_peak(mine, [simulate_assignment(st.model, keep_all(st.model), in_flight=st.in_flight).peak_bytes
+                            for st in mine])
     static, where = busiest.static, f"one rank of {busiest.describe(layout.pipeline_stages)}, the busiest: "
     print(f"{where}static {fmt_bytes(static.total)}: parameters {fmt_bytes(static.parameters)}, gradients "
           f"{fmt_bytes(static.gradients)}, optimizer state {fmt_bytes(static.optimizer_state)}"
@@ -166,14 +166,8 @@ def _busiest_rank(result: profiler.Profile) -> tuple[int, str]:
 
 
 def _shard(result: profiler.Profile, bundle, layout: profiler.Layout) -> profiler.Profile:
-    """One rank's share of the profiled step (``profiler.shard_profile``)."""
-    split = parameter_split(bundle.model, result.layer_info(), tensor_parallel=layout.tensor_parallel)
-    sheet = profiler.HARDWARE.get(result.hardware.name)
-    link = group_bandwidth(sheet, layout.tensor_parallel) if sheet is not None else 0.0  # Note: [group links]
-    spans = layout.tensor_parallel * layout.data_parallel  # a DP group's ranks (Note: [group links])
-    dp_link = group_bandwidth(sheet, spans) if sheet is not None else None
-    shared = profiler.shard_profile(result, layout=layout, split=split, interconnect=link,
-                                    data_parallel_bandwidth=dp_link)
+    """One rank's share of the profiled step (``profiler.tracing.rank_share``)."""
+    shared = rank_share(result, bundle.model, layout)
     log.info("cut to one rank of %s: static %s -> %s, saved activations %s -> %s",
              ", ".join(f"{k}={v}" for k, v in layout.to_dict().items() if v != getattr(profiler.Layout(), k)),
              fmt_bytes(result.static.total), fmt_bytes(shared.static.total), fmt_bytes(result.saved_bytes),
