@@ -13,6 +13,10 @@ its ``recompute_config`` / ``swap_config`` examples resolve verbatim::
     layers.{i}.feed_forward.w3 | w2      Linear           -> units feed_forward.w3.matmul ...
     layers.{i}.feed_forward.mul          elementwise mul  -> unit feed_forward.mul
 
+With ``fused_norm`` every RMSNorm runs a fused kernel (same unit names); with ``fused_swiglu`` the SiLU and
+the mul are one fused op, ``layers.{i}.feed_forward.swiglu`` (unit ``feed_forward.swiglu``), and ``w1`` has
+no activation child (:mod:`._fused` says what each saves). Parameter names are the same either way.
+
 Leaf modules that stand for one logical op carry a ``unit_label`` attribute;
 the unit namer in :mod:`profiler` reads it.
 """
@@ -25,6 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ._fused import FusedRMSNorm, SwiGLU
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -49,6 +55,10 @@ class LlamaConfig:
     """Base of the rotary position embedding."""
     max_seq_len: int = 4096
     """Longest sequence the rotary table is built for."""
+    fused_norm: bool = False
+    """Run every RMSNorm as a fused kernel saving its input and the inverse RMS (apex / Transformer Engine)."""
+    fused_swiglu: bool = False
+    """Run ``silu(w1 x) * w3 x`` as one fused op saving its two inputs only (Megatron's ``bias_swiglu_impl``)."""
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "max_seq_len"):
@@ -62,6 +72,9 @@ class LlamaConfig:
         kv = self.kv_heads
         if kv <= 0 or self.num_heads % kv:
             raise ValueError(f"LlamaConfig.num_kv_heads={self.num_kv_heads!r}: expected a divisor of num_heads")
+        for key in ("fused_norm", "fused_swiglu"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"LlamaConfig.{key}={getattr(self, key)!r}: expected True or False")
 
     @property
     def kv_heads(self) -> int:
@@ -82,6 +95,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def _norm(config: LlamaConfig) -> nn.Module:
+    return (FusedRMSNorm if config.fused_norm else RMSNorm)(config.hidden_size, config.rms_norm_eps)
 
 
 class SiLU(nn.Module):
@@ -161,21 +178,27 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.w1 = Linear(config.hidden_size, config.intermediate_size, activation=SiLU())
+        fused = config.fused_swiglu
+        self.w1 = Linear(config.hidden_size, config.intermediate_size, activation=None if fused else SiLU())
         self.w3 = Linear(config.hidden_size, config.intermediate_size)
-        self.mul = Mul()
+        if fused:
+            self.swiglu = SwiGLU()
+        else:
+            self.mul = Mul()
         self.w2 = Linear(config.intermediate_size, config.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "swiglu"):
+            return self.w2(self.swiglu(self.w1(x), self.w3(x)))
         return self.w2(self.mul(self.w1(x), self.w3(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.attention_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attention_norm = _norm(config)
         self.attention = Attention(config)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn_norm = _norm(config)
         self.feed_forward = FeedForward(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -191,7 +214,7 @@ class LlamaModel(nn.Module):
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = _norm(config)
         self.output = Linear(config.hidden_size, config.vocab_size)
 
     def _rope_tables(self, seq: int, *, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
