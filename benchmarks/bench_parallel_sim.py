@@ -4,9 +4,9 @@
 
 SIMULATION, not a measurement: each layout's rank is fake-profiled on the meta device (a GPT-like
 reference Llama: hidden 12288, 96 heads, MLP 32768 = 12 h^2 parameters per layer like GPT's 4h
-GeLU MLP, vocab 50257, seq 8192, bf16, Adam) with times estimated for the ``ascend-910b`` hardware
-entry, cut to one rank (``profiler.shard_profile``: TP, sequence parallel, TP all-reduces on HCCS)
-and split into pipeline stages/chunks with the schedule's in-flight micro-batches. For each layout it
+GeLU MLP, vocab 50257, seq 8192, bf16, Adam, fused RMSNorm and SwiGLU as MindSpeed runs them) with times
+estimated for the ``ascend-910b`` hardware entry, cut to one rank (``profiler.shard_profile``: TP, sequence
+parallel, TP all-reduces on HCCS) and split into pipeline stages/chunks with the schedule's in-flight micro-batches. For each layout it
 prints our plan's predicted step time against Megatron full recompute with the seed's
 ``--recompute-method block --recompute-num-layers N`` (first N layers of every chunk) under the
 same model, and the gain next to the seed's measured TFLOPs gain (TFLOPs ~ 1 / step time).
@@ -31,8 +31,11 @@ from search import (Action, Budget, Decision, InfeasibleBudgetError, Plan, fmt_b
 from search.planning import chunk_layers, pipeline_step_time, split_layout
 from profiler.tracing import precision_of, rank_share
 
+# The seed does not list its kernel flags; MindSpeed's example scripts train with --use-fused-rmsnorm and
+# --use-fused-swiglu, so the stand-in layer runs fused kernels that save what those save: the norm's input
+# and inverse RMS, the SwiGLU's input only (adaptive_mem/models/_fused.py).
 MODEL_ARGS = dict(num_layers=8, hidden_size=12288, intermediate_size=32768, num_heads=96, num_kv_heads=96,
-                  vocab_size=50257, max_seq_len=8192)
+                  vocab_size=50257, max_seq_len=8192, fused_norm=True, fused_swiglu=True)
 # (name, layout, micro-batch size, recompute-num-layers, seed gain) from ../shared/seeds/
 # mindspeed-adaptive-memory-optimization.zh.txt: gbs / mbs micro-batches per step.
 SEED = [
