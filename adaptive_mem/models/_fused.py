@@ -3,19 +3,22 @@
 The reference Llama's unfused ops save more than the fused kernels a Megatron run uses
 (``LlamaConfig(fused_norm=True, fused_swiglu=True)`` switches to these):
 
-- RMSNorm. ``F.rms_norm`` upcasts a bf16 input to fp32 and autograd saves that fp32 copy (for ``pow`` and
-  ``mul``) and the normalised value (for the weight's ``mul``). Apex's ``FusedRMSNormAffineFunction`` and
-  Transformer Engine's ``RMSNorm`` save the input in its own dtype, the weight and the per-row inverse RMS
-  (fp32), and recompute the normalised value in backward: :class:`FusedRMSNormFunction`.
+- RMSNorm. ``F.rms_norm`` upcasts a bf16 input to fp32, and autograd saves that fp32 copy (for ``pow`` and
+  ``mul``) and the fp32 normalised value (for the weight's ``mul``). Apex's ``FusedRMSNormAffineFunction``
+  saves the input, the weight and the per-row inverse RMS (``invvar``, fp32); MindSpeed's
+  ``--use-fused-rmsnorm`` (``torch_npu.npu_rms_norm``, which returns the output and ``rstd``) the same; both
+  recompute the normalised value in backward: :class:`FusedRMSNormFunction`.
 - SwiGLU. ``silu(gate) * up`` as two ops saves ``gate`` (for ``silu``), then ``silu(gate)`` and ``up`` (for
   ``mul``). Megatron's ``bias_swiglu_impl`` (``SwiGLUFunction``) saves its input only, the gate and up
-  projections concatenated, and recomputes ``silu(gate)`` in backward: :class:`SwiGLUFunction` saves ``gate``
-  and ``up`` (the same bytes as their concatenation).
+  projections concatenated, and recomputes ``silu(gate)`` in backward (MindSpeed's ``--use-fused-swiglu`` runs ``torch_npu.npu_swiglu``
+  on the same concatenated input): :class:`SwiGLUFunction` saves ``gate`` and ``up``, the bytes of their
+  concatenation.
 
-Note: [fused kernels' gradients]. Each backward computes the exact gradient of the unfused ops, in the
-unfused ops' arithmetic where it can: SwiGLU's backward runs the same ``mul`` and ``silu_backward`` kernels
-autograd runs for ``F.silu(gate) * up`` (equal to the bit); RMSNorm's gradient is computed in fp32, as the
-composite ``rms_norm`` computes it, and rounds once to the input's dtype, so it agrees to rounding
+Note: [fused kernels' gradients]. Each backward runs, op for op, the kernels autograd runs for the unfused ops
+(``mul`` and ``silu_backward`` for SwiGLU; ``mul``, ``rsqrt``, ``mean`` and ``pow`` of the composite
+``rms_norm``, in fp32), so the gradients are the unfused model's to the bit where the norm's input is bf16.
+With an fp32 input the composite's ``pow`` and ``mul`` read the input itself, and autograd adds their two
+gradients to the residual's one by one where the fused norm hands back one sum: equal to fp32 rounding
 (tests/test_fused_kernels.py).
 """
 
