@@ -26,7 +26,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from profiler import Profile
+from profiler import OpRecord, Profile
 from profiler.naming import LayerKinds
 from search import Action, Decision, Plan, StepModel
 
@@ -121,7 +121,7 @@ def _layer_plan(profile: Profile, policy: Callable[[int], Action]) -> Plan:
                            if policy(i) is Action.RECOMPUTE})
 
 
-def _titan_kept(profile: Profile, layer: int) -> tuple[list, set[int]]:
+def _titan_kept(profile: Profile, layer: int) -> tuple[list[OpRecord], set[int]]:
     """The ops of layer ``layer`` in forward order and the indices of those torchtitan's policy keeps."""
     ops = sorted((profile.ops[k] for u in profile.units if u.layer == layer for k in u.ops), key=lambda o: o.index)
     mm_count, kept = 0, set()
@@ -157,8 +157,9 @@ def _op_plan(profile: Profile) -> Plan:
 #   the executor's policy caches nothing autograd would not save (Note: [SAC policy]), so none of these bytes;
 # * ``adaptive_mem.estimate(..., ac="op")`` is torchtitan's run: it simulates the plan on ``titan_op_model``, whose
 #   units carry these bytes as ``sac_extra`` (what a SAC policy caches beyond what autograd saves).
-# Both measured on llama-tiny, eager and aot_eager (tests/test_titan_sac_memory.py). Not modelled: torchtitan's
-# replay reads a cached output instead of running its op again; the model charges that op's replay as ours does.
+# Both measured on llama-tiny, eager and aot_eager (tests/test_titan_sac_memory.py), and on llama-small
+# (docs/search.md). Not modelled: torchtitan's replay reads a cached output instead of running its op again; the
+# model charges that op's replay as the executor's policy runs it.
 def titan_cached_bytes(profile: Profile) -> dict[str, int]:
     """Bytes of each unit's outputs torchtitan's ``selective op`` caches beyond what autograd saves, eager or, for a
     compiled profile, as the partitioner saves them (Note: [torchtitan SAC cache]); units without any are left out."""
@@ -174,12 +175,12 @@ def titan_cached_bytes(profile: Profile) -> dict[str, int]:
     return cached
 
 
-def _inside(profile: Profile, op, layer: int) -> bool:
+def _inside(profile: Profile, op: OpRecord, layer: int) -> bool:
     """Whether every reader of ``op``'s output is an op of layer ``layer``."""
     return all(profile.ops[c].layer == layer for c in op.consumers)
 
 
-def _read_by_backward(profile: Profile, op, kept: set[int], layer: int) -> bool:
+def _read_by_backward(profile: Profile, op: OpRecord, kept: set[int], layer: int) -> bool:
     """Whether a recomputed op of the layer whose output autograd saves is computed from ``op``'s output through
     recomputed ops of the layer (the compiled backward then reads the cached output)."""
     todo, seen = list(op.consumers), set()
