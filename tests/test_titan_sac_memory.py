@@ -1,5 +1,5 @@
 """What torchtitan's ``selective op`` holds, measured: its policy run by PyTorch's selective checkpoint around every
-layer of llama-tiny (eager and compiled with aot_eager), the executor running ``ac_plan("op")``, and the simulator's
+layer of llama-tiny and hf:qwen2 (eager and compiled with aot_eager), the executor running ``ac_plan("op")``, and the simulator's
 two figures (Note: [torchtitan SAC cache]): the executor's (``search.simulate`` of the plan) and torchtitan's
 (``titan_op_model``, what ``estimate(ac="op")`` simulates). Bytes are the device bytes held once the last layer's
 forward has returned (``DeviceMemory``'s exact accounting; parameters existed before and are not counted)."""
@@ -20,18 +20,23 @@ from adaptive_mem.config._ac_modes import titan_cached_bytes, titan_op_model, ti
 from search import Action, StepModel, simulate
 
 BATCH, SEQ = 2, 32
+MODELS = {"llama-tiny": {}, "hf:qwen2": {"num_hidden_layers": 3}}
 CLOSE = 0.05
 """Simulated against measured, relative."""
 
 
-def _build():
-    return build_model("llama-tiny", batch_size=BATCH, seq_len=SEQ, seed=0)
+def _build(spec: str):
+    return build_model(spec, model_args=MODELS[spec], batch_size=BATCH, seq_len=SEQ, seed=0)
 
 
 @functools.lru_cache(maxsize=None)
-def _profile(compiled: bool):
-    profile = profiler.profile_step(_build(), warmup=0, repeat=0, record=1, optimizer_time=0.0)
+def _profile(spec: str, compiled: bool):
+    profile = profiler.profile_step(_build(spec), warmup=0, repeat=0, record=1, optimizer_time=0.0)
     return profiler.compiled_estimate(profile) if compiled else profile
+
+
+def _layers(spec: str, bundle) -> torch.nn.ModuleList:
+    return bundle.model.get_submodule(_profile(spec, False).layer_info().container)
 
 
 def _titan_context():
@@ -53,38 +58,38 @@ class _TitanLayer(torch.nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, *args):
-        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=_titan_context)
+    def forward(self, *args, **kwargs):
+        return checkpoint(self.layer, *args, use_reentrant=False, context_fn=_titan_context, **kwargs)
 
 
-def _held_after_layers(bundle) -> int:
+def _held_after_layers(bundle, last: torch.nn.Module) -> int:
     """Device bytes held when the last layer's forward returns, in the second of two steps (the first compiles)."""
     batch, seen = bundle.batch(seed=0), {}
     for _ in range(2):
         bundle.model.zero_grad(set_to_none=True)
         with DeviceMemory(track_existing=False) as mem:
-            hook = bundle.model.layers[-1].register_forward_hook(lambda *a: seen.__setitem__("held", mem.live))
+            hook = last.register_forward_hook(lambda *a: seen.__setitem__("held", mem.live))
             loss = bundle.loss(batch)
             hook.remove()
             loss.backward()
     return seen["held"]
 
 
-def _measured_titan(backend: str | None) -> int:
-    bundle = _build()
-    layers = bundle.model.layers
+def _measured_titan(spec: str, backend: str | None) -> int:
+    bundle = _build(spec)
+    layers = _layers(spec, bundle)
     for i, layer in enumerate(layers):
         layers[i] = _TitanLayer(layer) if backend is None else torch.compile(_TitanLayer(layer), backend=backend)
     try:
-        return _held_after_layers(bundle)
+        return _held_after_layers(bundle, layers[-1])
     finally:
         torch._dynamo.reset()
 
 
-def _measured_executor() -> int:
-    bundle, profile = _build(), _profile(False)
+def _measured_executor(spec: str) -> int:
+    bundle, profile = _build(spec), _profile(spec, False)
     with optimize(bundle.model, plan=ac_plan("op", profile), profile=profile):
-        return _held_after_layers(bundle)
+        return _held_after_layers(bundle, _layers(spec, bundle)[-1])
 
 
 def _simulated(model: StepModel) -> int:
@@ -95,33 +100,45 @@ def _simulated(model: StepModel) -> int:
     return [b for t, b in sim.timeline.memory if t <= end][-1] - model.base
 
 
-def test_the_cached_outputs_are_torchtitans_save_list_outside_autograds_saves():
-    """Eager: ``wq`` (1st matmul) and ``w2`` (7th) outputs, which autograd does not save; compiled: ``wq``'s alone,
-    which the recompute of the rotary embedding reads."""
-    profile = _profile(False)
-    layers = range(profile.num_layers)
+# Local names of the units whose outputs torchtitan's policy caches beyond autograd's saves, by hand (eager, then
+# compiled). llama-tiny: wq (1st matmul) feeds the recomputed rotary embedding, w2 (7th) the residual add; wo, w3
+# are recomputed. Qwen2: the biased q, k projections (addmm, kept) feed the rotary embedding, v is saved by the
+# attention, o_proj (1st mm) feeds the residual add that the next norm saves (compiled: kept where the compile
+# model keeps that add, layers 1 and 2), up_proj is saved by the gate's mul.
+CACHED = {
+    "llama-tiny": ({"attention.wq.matmul", "feed_forward.w2.matmul"}, {"attention.wq.matmul"}),
+    "hf:qwen2": ({"self_attn.q_proj.matmul", "self_attn.k_proj.matmul", "self_attn.o_proj.matmul"},
+                 {"self_attn.q_proj.matmul", "self_attn.k_proj.matmul"}),
+}
+
+
+@pytest.mark.parametrize("spec", list(MODELS))
+def test_the_cached_outputs_are_torchtitans_save_list_outside_autograds_saves(spec):
+    profile = _profile(spec, False)
     out = {u.name: u.output_bytes for u in profile.units}
-    names = [f"{profile.layer_path(i)}.{local}" for i in layers for local in ("attention.wq.matmul",
-                                                                           "feed_forward.w2.matmul")]
-    assert titan_cached_bytes(profile) == {n: out[n] for n in names}
-    assert titan_cached_bytes(_profile(True)) == {n: out[n] for n in names if "wq" in n}
+    eager, compiled = ({f"{profile.layer_path(i)}.{n}" for i in range(profile.num_layers) for n in names}
+                       for names in CACHED[spec])
+    assert titan_cached_bytes(profile) == {n: out[n] for n in eager}
+    assert compiled <= set(titan_cached_bytes(_profile(spec, True))) <= eager
 
 
-def test_eager_titan_holds_the_executor_bytes_plus_the_cached_outputs():
+@pytest.mark.parametrize("spec", list(MODELS))
+def test_eager_titan_holds_the_executor_bytes_plus_the_cached_outputs(spec):
     """Measured and simulated alike, torchtitan's run holds the cached outputs more than the executor's (whose figure
     ``search.simulate`` of the plan gives), and the simulated torchtitan figure is the measured one."""
-    titan, ours = _measured_titan(None), _measured_executor()
-    cached = sum(titan_cached_bytes(_profile(False)).values())
+    titan, ours = _measured_titan(spec, None), _measured_executor(spec)
+    cached = sum(titan_cached_bytes(_profile(spec, False)).values())
     assert titan - ours == cached > 0
-    model = StepModel.build(_profile(False))
+    model = StepModel.build(_profile(spec, False))
     assert _simulated(titan_op_model(model)) - _simulated(model) == cached
     assert _simulated(titan_op_model(model)) == pytest.approx(titan, rel=CLOSE)
 
 
-def test_compiled_titan_holds_the_modelled_bytes():
+@pytest.mark.parametrize("spec", list(MODELS))
+def test_compiled_titan_holds_the_modelled_bytes(spec):
     """aot_eager runs the partitioner inductor runs; the compile model's saved bytes with the cached outputs."""
-    measured = _measured_titan("aot_eager")
-    model = titan_op_model(StepModel.build(_profile(True)))
+    measured = _measured_titan(spec, "aot_eager")
+    model = titan_op_model(StepModel.build(_profile(spec, True)))
     assert _simulated(model) == pytest.approx(measured, rel=CLOSE)
 
 
