@@ -157,8 +157,8 @@ def _op_plan(profile: Profile) -> Plan:
 #   the executor's policy caches nothing autograd would not save (Note: [SAC policy]), so none of these bytes;
 # * ``adaptive_mem.estimate(..., ac="op")`` is torchtitan's run: it simulates the plan on ``titan_op_model``, whose
 #   units carry these bytes as ``sac_extra`` (what a SAC policy caches beyond what autograd saves).
-# Both measured on llama-tiny, eager and aot_eager (tests/test_titan_sac_memory.py), and on llama-small
-# (docs/search.md). Not modelled: torchtitan's replay reads a cached output instead of running its op again; the
+# Both measured on llama-tiny and hf:qwen2, eager and aot_eager (tests/test_titan_sac_memory.py), and on
+# llama-small (docs/search.md). Not modelled: torchtitan's replay reads a cached output instead of running its op again; the
 # model charges that op's replay as the executor's policy runs it.
 def titan_cached_bytes(profile: Profile) -> dict[str, int]:
     """Bytes of each unit's outputs torchtitan's ``selective op`` caches beyond what autograd saves, eager or, for a
