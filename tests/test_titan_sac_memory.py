@@ -21,8 +21,11 @@ from search import Action, StepModel, simulate
 
 BATCH, SEQ = 2, 32
 MODELS = {"llama-tiny": {}, "hf:qwen2": {"num_hidden_layers": 3}}
-CLOSE = 0.05
+CLOSE = 0.005
 """Simulated against measured, relative."""
+RNG_STATE = torch.get_rng_state().numel()
+"""Bytes an eager ``torch.utils.checkpoint`` holds per layer for the CPU generator's state (``preserve_rng_state``):
+device memory to ``DeviceMemory`` on CPU, a host tensor on a GPU, and not modelled."""
 
 
 def _build(spec: str):
@@ -131,7 +134,9 @@ def test_eager_titan_holds_the_executor_bytes_plus_the_cached_outputs(spec):
     assert titan - ours == cached > 0
     model = StepModel.build(_profile(spec, False))
     assert _simulated(titan_op_model(model)) - _simulated(model) == cached
-    assert _simulated(titan_op_model(model)) == pytest.approx(titan, rel=CLOSE)
+    rng = model.num_layers * RNG_STATE
+    assert _simulated(titan_op_model(model)) == pytest.approx(titan - rng, rel=CLOSE)
+    assert _simulated(model) == pytest.approx(ours - rng, rel=CLOSE)
 
 
 @pytest.mark.parametrize("spec", list(MODELS))
