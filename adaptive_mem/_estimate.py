@@ -13,7 +13,7 @@ device's memory in reserved bytes, Note: [ours in reserved bytes]) and the plan 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,7 @@ from search.planning import reserved_at_peak, resolve, simulate_assignment
 from ._model_spec import build_model, parse_model_args
 from ._search import SearchResult, rank_figures, search, stages_of
 from .config import AC_MODES, ConfigError, ac_plan
-from .config._ac_modes import parse_ac_mode
+from .config._ac_modes import parse_ac_mode, titan_op_model
 from .config._layout import layout_from_given
 
 __all__ = ["ESTIMATE_AC_MODES", "EstimateError", "EstimateResult", "estimate", "model_flops_per_token",
@@ -183,8 +183,10 @@ def _hf_config(spec: str, model_args: dict | str | None) -> tuple[str, dict[str,
 
 def _simulate(profile: Profile, plan: Plan, layout: Layout) -> tuple[int, float]:
     """Peak bytes of the busiest rank and the step's seconds of ``plan``, stage by stage as :func:`search`
-    figures its own plans."""
+    figures its own plans; an ``op`` plan holds what torchtitan's policy caches (Note: [torchtitan SAC cache])."""
     stages = stages_of(profile, layout, None)
+    if plan.meta.get("ac_mode") == "op":
+        stages = [replace(st, model=titan_op_model(st.model)) for st in stages]
     results = []
     for st in stages:
         asg = resolve(st.model, plan)

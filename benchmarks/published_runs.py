@@ -129,9 +129,8 @@ _DS_NOTE = ("Qwen3-14B's config through hf:qwen3; 'bf16 optimizer states' is Dee
 _TITAN_NOTE = ("torchtitan's llama3_8b.toml (read at v0.1.0; the README ran 0.0.2) with llama3.sh's flags: "
                "selective_ac_option 'op', local_batch_size 1, seq_len 8192, FSDP2 mixed_precision_param bf16 / "
                "mixed_precision_reduce fp32 (fsdp2-bf16), --compile.enable. Not expressible: run_train.sh's "
-               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved is modelled with fixed segments) and "
-               "torchtitan's loss, cross_entropy(pred.float()): the model spec's loss takes "
-               "cross-entropy of the bf16 logits")
+               "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (reserved is modelled with fixed segments). "
+               "Per-op SAC holds the outputs torchtitan's policy caches beyond autograd's saves (compiled: wq's)")
 
 
 def _deepspeed(seq: int, baseline: Any, offload: float, planned: float) -> Run:

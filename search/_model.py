@@ -45,8 +45,8 @@ class UnitInfo:
     pinned: bool
     """Output read by a unit of another position (the layer output): recompute never frees it."""
     sac_extra: int
-    """Bytes the SAC policy caches beyond what autograd saves: 0 (the policy caches only saved outputs,
-    Note: [SAC policy]); kept so menus and the simulator share one formula."""
+    """Bytes the SAC policy caches beyond what autograd saves: 0 for the executor's policy (it caches only saved
+    outputs, Note: [SAC policy]); torchtitan's under ``estimate(ac="op")`` (Note: [torchtitan SAC cache])."""
     sac_replay: float
     """Forward seconds of this unit's ops the SAC replay runs when the unit is *not* recomputed (ops
     whose output autograd does not save), up to the replay's early stop."""

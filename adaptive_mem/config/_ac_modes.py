@@ -22,19 +22,20 @@ Each policy is a small function returning an :class:`search.Action` for what it 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 from typing import Callable
 
-from profiler import Profile
+from profiler import OpRecord, Profile
 from profiler.naming import LayerKinds
-from search import Action, Decision, Plan
+from search import Action, Decision, Plan, StepModel
 
 from ._errors import ConfigError, fmt
 from ._megatron import plan_from_megatron
 from ._names import LayerNames
 
-__all__ = ["AC_MODES", "ac_plan", "parse_ac_mode", "profile_names", "titan_layer_policy", "titan_op_policy",
-           "whole_layer_policy"]
+__all__ = ["AC_MODES", "ac_plan", "parse_ac_mode", "profile_names", "titan_cached_bytes", "titan_layer_policy",
+           "titan_op_model", "titan_op_policy", "whole_layer_policy"]
 
 AC_MODES = ("none", "full", "op", "layer:N", "megatron-selective", "megatron-full", "hf")
 """The mode names ``ac_plan`` takes; ``layer:N`` with N an integer >= 1."""
@@ -120,21 +121,86 @@ def _layer_plan(profile: Profile, policy: Callable[[int], Action]) -> Plan:
                            if policy(i) is Action.RECOMPUTE})
 
 
+def _titan_kept(profile: Profile, layer: int) -> tuple[list[OpRecord], set[int]]:
+    """The ops of layer ``layer`` in forward order and the indices of those torchtitan's policy keeps."""
+    ops = sorted((profile.ops[k] for u in profile.units if u.layer == layer for k in u.ops), key=lambda o: o.index)
+    mm_count, kept = 0, set()
+    for op in ops:
+        mm_count += op.op in _MM_OPS
+        if titan_op_policy(op.op, mm_count) is Action.KEEP:
+            kept.add(op.index)
+    return ops, kept
+
+
 def _op_plan(profile: Profile) -> Plan:
     """torchtitan's per-op SAC on every layer, unit by unit: a unit is kept when its layer's policy keeps one of its
     ops (a Linear's matmul with the cast before it under autocast), recomputed otherwise; units that save nothing
     for backward take no decision (keep and recompute are the same for them)."""
     decisions: dict[str, Decision] = {}
     for i in range(profile.num_layers):
-        mm_count, keep = 0, set()
-        units = [u for u in profile.units if u.layer == i]
-        for op in sorted((profile.ops[k] for u in units for k in u.ops), key=lambda o: o.index):
-            mm_count += op.op in _MM_OPS
-            if titan_op_policy(op.op, mm_count) is Action.KEEP:
-                keep.add(op.unit)
-        decisions.update({u.name: Decision(Action.RECOMPUTE) for u in units
-                          if u.name not in keep and u.saved_bytes > 0})
+        ops, kept = _titan_kept(profile, i)
+        keep = {op.unit for op in ops if op.index in kept}
+        decisions.update({u.name: Decision(Action.RECOMPUTE) for u in profile.units
+                          if u.layer == i and u.name not in keep and u.saved_bytes > 0})
     return Plan(decisions=decisions)
+
+
+# Note: [torchtitan SAC cache]
+# PyTorch's selective checkpoint caches the output of every op its policy marks MUST_SAVE until the layer's
+# backward, and torchtitan's policy marks its whole save list so, also outputs autograd does not save: on a Llama
+# layer the ``wq`` projection's (read only by the rotary embedding, which is recomputed) and ``w2``'s (read only by
+# the residual add). Under torch.compile the partitioner saves a MUST_SAVE output only when backward reads it, that
+# is when a recomputed op whose output autograd saves is computed from it through recomputed ops of the layer: there
+# ``wq``'s is held and ``w2``'s is not. An output read outside the layer is the layer's output, held anyway.
+# ``titan_cached_bytes`` returns these bytes per unit. Which figure is which:
+# * ``search.simulate(profile, ac_plan("op", profile))`` is what ``adaptive_mem.optimize`` holds running the plan:
+#   the executor's policy caches nothing autograd would not save (Note: [SAC policy]), so none of these bytes;
+# * ``adaptive_mem.estimate(..., ac="op")`` is torchtitan's run: it simulates the plan on ``titan_op_model``, whose
+#   units carry these bytes as ``sac_extra`` (what a SAC policy caches beyond what autograd saves).
+# Both measured on llama-tiny and hf:qwen2, eager and aot_eager (tests/test_titan_sac_memory.py), and on
+# llama-small (docs/search.md). Not modelled: torchtitan's replay reads a cached output instead of running its op again; the
+# model charges that op's replay as the executor's policy runs it.
+def titan_cached_bytes(profile: Profile) -> dict[str, int]:
+    """Bytes of each unit's outputs torchtitan's ``selective op`` caches beyond what autograd saves, eager or, for a
+    compiled profile, as the partitioner saves them (Note: [torchtitan SAC cache]); units without any are left out."""
+    cached: dict[str, int] = {}
+    for i in range(profile.num_layers):
+        ops, kept = _titan_kept(profile, i)
+        for op in ops:
+            extra = op.output_bytes - op.saved_bytes
+            if op.index not in kept or extra <= 0 or not _inside(profile, op, i):
+                continue
+            if profile.compiled is None or _read_by_backward(profile, op, kept, i):
+                cached[op.unit] = cached.get(op.unit, 0) + extra
+    return cached
+
+
+def _inside(profile: Profile, op: OpRecord, layer: int) -> bool:
+    """Whether every reader of ``op``'s output is an op of layer ``layer``."""
+    return all(profile.ops[c].layer == layer for c in op.consumers)
+
+
+def _read_by_backward(profile: Profile, op: OpRecord, kept: set[int], layer: int) -> bool:
+    """Whether a recomputed op of the layer whose output autograd saves is computed from ``op``'s output through
+    recomputed ops of the layer (the compiled backward then reads the cached output)."""
+    todo, seen = list(op.consumers), set()
+    while todo:
+        c = profile.ops[todo.pop()]
+        if c.index in seen or c.index in kept or c.layer != layer:
+            continue
+        seen.add(c.index)
+        if c.saved_bytes > 0 and _inside(profile, c, layer):
+            return True
+        todo.extend(c.consumers)
+    return False
+
+
+def titan_op_model(model: StepModel) -> StepModel:
+    """``model`` with torchtitan's cached outputs (:func:`titan_cached_bytes`) as its units' ``sac_extra``: what an
+    ``op`` plan holds under torchtitan's policy rather than the executor's (Note: [torchtitan SAC cache])."""
+    cached = titan_cached_bytes(model.profile)
+    return dataclasses.replace(model, units=[dataclasses.replace(u, sac_extra=cached.get(u.name, 0))
+                                             for u in model.units])
 
 
 def _module_paths(units: tuple[str, ...]) -> tuple[str, ...]:
