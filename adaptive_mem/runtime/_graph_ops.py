@@ -27,7 +27,7 @@ from torch.library import custom_op
 
 from ._host_marks import host_allocations
 
-__all__ = ["GraphSwapStats", "graph_swap_stats", "offload", "reload"]
+__all__ = ["GraphSwapStats", "count_into", "graph_swap_stats", "offload", "reload"]
 
 
 @dataclass
@@ -55,7 +55,26 @@ def graph_swap_stats() -> Iterator[GraphSwapStats]:
         _local.stats = previous
 
 
-def _count(nbytes: int, *, out: bool) -> None:
+_sinks: dict[str, GraphSwapStats] = {}
+"""Per key suffix (``<unit>@<owner>``): the stats of the plan whose graphs carry those keys."""
+
+
+def count_into(owner: str, stats: object | None) -> None:
+    """Count the bytes of graph ops whose key ends in ``@owner`` into ``stats`` (anything with
+    ``offloaded_bytes`` and ``reloaded_bytes``); None stops it."""
+    if stats is None:
+        _sinks.pop(owner, None)
+    else:
+        _sinks[owner] = stats
+
+
+def _count(key: str, nbytes: int, *, out: bool) -> None:
+    sink = _sinks.get(key.rpartition("@")[2]) if "@" in key else None
+    if sink is not None:
+        if out:
+            sink.offloaded_bytes += nbytes
+        else:
+            sink.reloaded_bytes += nbytes
     stats = getattr(_local, "stats", None)
     if stats is None:
         return
@@ -78,23 +97,23 @@ def offload(t: torch.Tensor, key: str) -> torch.Tensor:
     """A host copy of ``t`` (Note: [host side of graph swaps]); ``key`` names the saved activation."""
     if t.device.type == "cpu":
         with host_allocations():
-            host = torch.empty_like(t, memory_format=torch.contiguous_format)
+            host = torch.empty_like(t)  # the same strides (a dense tensor: Note: [graph swap placement])
         host.copy_(t)
     else:  # unverified on GPU
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream = _side_stream(t.device)
         stream.wait_stream(torch.accelerator.current_stream(t.device))
         with torch.accelerator.stream(stream) if hasattr(torch.accelerator, "stream") else torch.cuda.stream(stream):
             host.copy_(t, non_blocking=True)
         t.record_stream(stream)
         stream.synchronize()  # the host copy is read only in backward, but must be whole before then
-    _count(t.numel() * t.element_size(), out=True)
+    _count(key, t.numel() * t.element_size(), out=True)
     return host
 
 
 @offload.register_fake
 def _offload_fake(t: torch.Tensor, key: str) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return torch.empty_like(t, device="cpu")
 
 
 @custom_op("adaptive_mem::reload", mutates_args=())
@@ -105,17 +124,17 @@ def reload(host: torch.Tensor, key: str, device: torch.device, after: list[torch
         out = torch.empty_like(host)
         out.copy_(host)
     else:  # unverified on GPU
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
+        out = torch.empty_like(host, device=device)
         stream = _side_stream(device)
         stream.wait_stream(torch.accelerator.current_stream(device))
         with torch.cuda.stream(stream):
             out.copy_(host, non_blocking=True)
         torch.accelerator.current_stream(device).wait_stream(stream)
         out.record_stream(torch.accelerator.current_stream(device))
-    _count(host.numel() * host.element_size(), out=False)
+    _count(key, host.numel() * host.element_size(), out=False)
     return out
 
 
 @reload.register_fake
 def _reload_fake(host: torch.Tensor, key: str, device: torch.device, after: list[torch.Tensor]) -> torch.Tensor:
-    return torch.empty(host.shape, dtype=host.dtype, device=device)
+    return torch.empty_like(host, device=device)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from profiler.naming import is_view_op, join, op_label
 from search import Action
 
+from ._graph_ops import count_into
 from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps
 from ._plan_context import PlanContext
 from ._resolve import decide
@@ -51,6 +52,8 @@ class GraphPlan:
         self.layer_ids = {id(layer): i for i, layer in enumerate(ctx.layers)}
         self.named: set[str] = set()
         """Unit names met in the graphs (tests, and the warning about swap units no graph has)."""
+        self.owner = f"{id(self):x}"
+        """The suffix of this plan's op keys (``<unit>@<owner>``): their bytes count into its engine's stats."""
         self.swaps: list[GraphSwap] = []
         """The offload/reload pairs inserted in this plan's graphs."""
 
@@ -113,7 +116,7 @@ class GraphPlan:
             trigger = None
             if decision.backward_prefetch > 0 and layer is not None:
                 trigger = min(layer + decision.backward_prefetch, num_layers)
-            return SwapChoice(key=unit, trigger=trigger)
+            return SwapChoice(key=f"{unit}@{self.owner}", trigger=trigger)
         return choose
 
     def mark_saved(self, joint: fx.Graph) -> None:
@@ -173,10 +176,12 @@ def activate(plan: GraphPlan) -> None:
         functorch_config.enable_activation_offloading = True
         _offloading.enable_activation_offloading = _partitioned
     _active.append(plan)
+    count_into(plan.owner, plan.ctx.engine.stats if plan.ctx.engine is not None else None)
 
 
 def deactivate(plan: GraphPlan) -> None:
     if plan in _active:
+        count_into(plan.owner, None)
         _active.remove(plan)
         if not _active:
             _offloading.enable_activation_offloading = _saved.pop("offloading")

@@ -29,7 +29,7 @@ from . import _graph_ops  # noqa: F401  (registers the ops)
 
 _OPS = _graph_ops  # the ops this pass inserts are registered by importing it
 
-__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_view_node"]
+__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "is_view_node"]
 
 
 @dataclass(frozen=True)
@@ -64,11 +64,22 @@ def _tensor_val(node: fx.Node) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+def is_dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block without gaps or overlaps, in any dimension order (so a copy with the same
+    strides holds exactly its bytes)."""
+    expected = 1
+    for stride, size in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _swappable(x: fx.Node, outputs: list) -> bool:
     """A dense op output saved once, not a view, not also handed out by the graph (a user output)."""
     val = _tensor_val(x)
     return (isinstance(x, fx.Node) and x.op == "call_function" and val is not None and not is_view_node(x)
-            and val.is_contiguous() and outputs.count(x) == 1)
+            and is_dense(val) and outputs.count(x) == 1)
 
 
 def _last_forward_use(x: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
