@@ -25,7 +25,8 @@ from _compile_common import compiled_step
 BACKEND = "aot_eager"
 LAYERS = 2  # llama-tiny with 2 layers: whole-model compiles stay within seconds on 2 cores
 SWAP = {"action": "swap", "backward_prefetch": 1}
-OP_SWAP_WHY = "the op that produced a saved tensor is not visible inside a compiled block; swap whole layers instead"
+OP_SWAP_WHY = ("a block compiled on its own shares one graph with the other blocks, so one block's op-level swap "
+               "has no place in it; swap whole layers instead, or compile the whole model (torch.compile(model))")
 SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
            "mode naming each op by module), which dynamo cannot trace")
 
@@ -95,7 +96,7 @@ def test_plan_runs_compiled_or_warns_once(mode: str, order: str, name: str, capl
     ref = _reference(mode)
     model, batch = _fresh()
     decisions, groups, eager = _plans()[name]
-    if eager == "swap" and mode == "whole":  # Note: [one joint pass]: the swaps run inside the whole-model graph
+    if eager == "swap" and mode == "whole":  # Note: [partitioner hook]: the swaps run inside the whole-model graph
         eager = None
     elif eager == "swap":  # Note: [swap around compiled blocks]: whole layers swap compiled
         eager = None if name == "layer-swap" else "op-level swap"

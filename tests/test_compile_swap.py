@@ -130,9 +130,10 @@ def test_op_level_swap_block_stays_eager_with_one_warning_and_the_whole_layer_on
         graphs, breaks = _graphs()
         assert graphs > 0 and breaks == 0, dict(counters["graph_break"])
         assert set(labels) == {"layers.0", "layers.1.attention.flash_attention"}, set(labels)
-    assert _warnings(caplog) == ["adaptive_mem: op-level swap of layers.1 runs outside the compiled region: the op "
-                                 "that produced a saved tensor is not visible inside a compiled block; swap whole "
-                                 "layers instead; the blocks run eager"]
+    assert _warnings(caplog) == ["adaptive_mem: op-level swap of layers.1 runs outside the compiled region: a block "
+                                 "compiled on its own shares one graph with the other blocks, so one block's "
+                                 "op-level swap has no place in it; swap whole layers instead, or compile the whole "
+                                 "model (torch.compile(model)); the blocks run eager"]
 
 
 def test_swap_and_select_recompute_blocks_both_stay_compiled(caplog):
@@ -199,7 +200,7 @@ def test_layer_swap_per_block_inductor_close():
 
 
 def test_whole_model_compile_with_swap_stays_compiled_and_exact(caplog):
-    """Note: [one joint pass] (adaptive_mem/runtime/_graph_plan.py): the swaps run inside the whole-model graph."""
+    """Note: [partitioner hook] (adaptive_mem/runtime/_graph_plan.py): the swaps run inside the whole-model graph."""
     ref = _reference("whole")
     model, batch = _fresh()
     caplog.set_level(logging.WARNING)

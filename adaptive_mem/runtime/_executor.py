@@ -97,7 +97,7 @@ class Executor:
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
         self.graph = GraphPlan(ctx) if engine is not None else None
-        """The plan's swaps in whole-model compiled graphs (Note: [one joint pass])."""
+        """The plan's swaps in whole-model compiled graphs (Note: [partitioner hook])."""
 
     @property
     def engine(self) -> SwapEngine | None:

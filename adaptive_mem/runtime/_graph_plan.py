@@ -1,11 +1,12 @@
-"""A plan's swaps inside a whole-model compiled graph: which saved values of the joint graph a plan swaps,
+"""A plan's swaps inside a whole-model compiled graph: which saved values of the forward graph a plan swaps,
 and where each reload goes.
 
 Note: [graph swap names]. A saved value is swapped when the unit that produced it swaps (the eager path's
 rule: the op tracker records the producing unit of each storage). Its unit comes from the forward node's
 ``nn_module_stack`` by the eager namer's rules, as the compiled selective-checkpoint policy names ops (Note:
 [compiled SAC names]): the outermost leaf module gives ``<path>.<label>``, else the innermost module gives
-``<path>.<op label>`` with ``_1``, ``_2``... counted per module call. The reload's anchor is the first
+``<path>.<op label>`` with ``_1``, ``_2``... counted per module call; a view, or an item of an op's tuple output,
+belongs to the unit of the op that made its storage. The reload's anchor is the first
 backward node of the layer the engine's trigger names (``min(layer + prefetch, num_layers)``; the number
 of layers is "backward begins": the first backward node), found from the backward nodes'
 ``fwd_nn_module_stack`` (Note: [graph swap placement] in ``_graph_swap.py``).
@@ -13,18 +14,18 @@ of layers is "backward begins": the first backward node), found from the backwar
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch._functorch._activation_offloading.activation_offloading as _offloading
 import torch._functorch.config as functorch_config
 from torch import fx
-from torch.utils.checkpoint import CheckpointPolicy
 
 from profiler.naming import is_view_op, join, op_label
 from search import Action
 
 from ._graph_ops import count_into
-from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps
+from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps, is_view_node
 from ._plan_context import PlanContext
 from ._resolve import decide
 
@@ -42,8 +43,16 @@ def _stack_ids(node: fx.Node, key: str) -> list[tuple[str, int]]:
     return out
 
 
+def _base(node: fx.Node) -> fx.Node:
+    """The node whose op made ``node``'s storage: through views and tuple items (``getitem``)."""
+    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
+            node.target is operator.getitem or is_view_node(node)):
+        node = node.args[0]
+    return node
+
+
 class GraphPlan:
-    """The swap decisions of one executor's plan for the joint graphs of its model."""
+    """The swap decisions of one executor's plan for the compiled graphs of its model."""
 
     def __init__(self, ctx: PlanContext) -> None:
         self.ctx = ctx
@@ -79,6 +88,10 @@ class GraphPlan:
             seen = counts.get((call, label), 0)
             counts[call, label] = seen + 1
             out[node] = join(path, label if seen == 0 else f"{label}_{seen}")
+        for node in graph.nodes:  # a view or a tuple item is its base's: the op that made the storage
+            base = _base(node)
+            if base is not node and base in out:
+                out[node] = out[base]
         self.named.update(out.values())
         return out
 
@@ -101,7 +114,7 @@ class GraphPlan:
         return lambda trigger: start if trigger >= num_layers else first.get(trigger, start)
 
     def chooser(self, graph: fx.Graph) -> Callable[[fx.Node], SwapChoice | None]:
-        """``choose`` for :func:`insert_graph_swaps` on a forward (or joint) graph: the swap units' values."""
+        """``choose`` for :func:`insert_graph_swaps` on a forward graph: the swap units' values."""
         units = self.unit_names(graph)
         plan, num_layers = self.ctx.plan, self.ctx.num_layers
 
@@ -119,40 +132,23 @@ class GraphPlan:
             return SwapChoice(key=f"{unit}@{self.owner}", trigger=trigger)
         return choose
 
-    def mark_saved(self, joint: fx.Graph) -> None:
-        """Before partitioning: the swap units' values that backward reads are saved, not recomputed (the
-        partitioner's ``MUST_SAVE``), so the plan's swaps are what the graph saves."""
-        choose = self.chooser(joint)
-        for node in joint.nodes:
-            if node.meta.get("partitioner_tag") == "is_backward" or node.op != "call_function":
-                continue
-            if any(u.meta.get("partitioner_tag") == "is_backward" for u in node.users) and choose(node):
-                node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
-
-# Note: [one joint pass]. While a plan with swaps is installed, two process-wide hooks of AOT autograd are
-# ours, and each hands a graph to the installed plan whose model it runs (``GraphPlan.owns``), every other
-# graph passing through untouched: ``torch._functorch.config.joint_custom_pass`` (before partitioning, for
-# ``mark_saved``; a pass set before is still called after ours), and the partitioners' activation-offloading
-# step (``enable_activation_offloading``, which both the default and the min-cut partitioner call on the
-# forward and backward graphs they made when ``config.enable_activation_offloading`` is set; looked up
-# from its module at each call): ours inserts the plan's offload/reload pairs, then calls PyTorch's, which
-# offloads only what others marked ``should_offload``. AOT autograd's cache is off meanwhile: a graph
-# compiled without the plan must not be served from it. All is restored when the last plan is removed.
+# Note: [partitioner hook]. While a plan with swaps is installed, the partitioners' activation-offloading step is
+# ours: both AOT autograd partitioners (the default and min-cut, so aot_eager and inductor) call
+# ``enable_activation_offloading`` on the forward and backward graphs they made when
+# ``torch._functorch.config.enable_activation_offloading`` is set, looking it up from its module at each call.
+# Ours hands the graphs to the installed plan whose model they run (``GraphPlan.owns``), which inserts its
+# offload/reload pairs, then calls PyTorch's, which offloads only what others marked ``should_offload``;
+# every other model's graphs pass through untouched. The partitioner decides what is saved as without a plan
+# (a swap unit's value it recomputes frees its bytes anyway), so a compiled profile measured without a plan
+# describes the graph the plan swaps in. AOT autograd's cache is off meanwhile: a graph compiled without the
+# pass must not be served from it. All is restored when the last plan is removed.
 _active: list[GraphPlan] = []
 _saved: dict[str, object] = {}
 
 
 def _owner(graph: fx.Graph) -> GraphPlan | None:
     return next((plan for plan in list(_active) if plan.owns(graph)), None)
-
-
-def _joint_pass(gm: fx.GraphModule, joint_inputs: object) -> fx.GraphModule:
-    plan = _owner(gm.graph)
-    if plan is not None:
-        plan.mark_saved(gm.graph)
-    previous = _saved.get("joint_custom_pass")
-    return previous(gm, joint_inputs) if callable(previous) else gm
 
 
 def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
@@ -165,13 +161,11 @@ def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_o
 
 
 def activate(plan: GraphPlan) -> None:
-    """Hand the graphs of ``plan``'s model to it (Note: [one joint pass])."""
+    """Hand the graphs of ``plan``'s model to it (Note: [partitioner hook])."""
     if not _active:
-        _saved.update(joint_custom_pass=functorch_config.joint_custom_pass,
-                      enable_autograd_cache=functorch_config.enable_autograd_cache,
+        _saved.update(enable_autograd_cache=functorch_config.enable_autograd_cache,
                       enable_activation_offloading=functorch_config.enable_activation_offloading,
                       offloading=_offloading.enable_activation_offloading)
-        functorch_config.joint_custom_pass = _joint_pass
         functorch_config.enable_autograd_cache = False
         functorch_config.enable_activation_offloading = True
         _offloading.enable_activation_offloading = _partitioned

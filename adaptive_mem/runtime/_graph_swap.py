@@ -2,7 +2,7 @@
 reload at the plan's prefetch distance in backward.
 
 It runs on the forward and backward graphs AOT autograd's partitioner made (aot_eager and inductor alike;
-how it is reached: Note: [one joint pass] in ``_graph_plan.py``). For each saved value ``x`` (a forward
+how it is reached: Note: [partitioner hook] in ``_graph_plan.py``). For each saved value ``x`` (a forward
 output handed to backward) that ``choose(x)`` swaps, :func:`insert_graph_swaps` inserts ``h =
 adaptive_mem::offload(x)`` after the last forward use of ``x`` and of its views and saves ``h`` in its
 place; in backward, ``y = adaptive_mem::reload(h, after=[anchor])`` goes right after the anchor (or before
@@ -29,7 +29,7 @@ from . import _graph_ops  # noqa: F401  (registers the ops)
 
 _OPS = _graph_ops  # the ops this pass inserts are registered by importing it
 
-__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "is_view_node"]
+__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "is_view_node", "view_base"]
 
 
 @dataclass(frozen=True)
@@ -75,11 +75,25 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _swappable(x: fx.Node, outputs: list) -> bool:
-    """A dense op output saved once, not a view, not also handed out by the graph (a user output)."""
+def view_base(x: fx.Node) -> fx.Node:
+    """The node whose storage ``x`` views (``x`` itself when it is no view)."""
+    while x.op == "call_function" and x.args and isinstance(x.args[0], fx.Node) and is_view_node(x):
+        x = x.args[0]
+    return x
+
+
+def _swappable(x: fx.Node, outputs: list, bases: dict[fx.Node, int]) -> bool:
+    """A dense value saved once, not also handed out by the graph (a user output), the only saved value on its
+    storage, which an op of the graph made and which it covers whole (a view included): its dense copy then holds
+    exactly the bytes the offload frees (the backward graph reads values, never aliasing)."""
     val = _tensor_val(x)
-    return (isinstance(x, fx.Node) and x.op == "call_function" and val is not None and not is_view_node(x)
-            and is_dense(val) and outputs.count(x) == 1)
+    if not (isinstance(x, fx.Node) and x.op == "call_function" and val is not None and is_dense(val)
+            and outputs.count(x) == 1):
+        return False
+    base = view_base(x)
+    whole = _tensor_val(base)
+    return (base.op == "call_function" and bases.get(base) == 1 and whole is not None and is_dense(whole)
+            and whole.numel() == val.numel())
 
 
 def _last_forward_use(x: fx.Node, order: dict[fx.Node, int]) -> fx.Node:
@@ -145,9 +159,13 @@ def insert_graph_swaps(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num
     placeholders = {n.name: n for n in bw.find_nodes(op="placeholder")}
     order = {n: i for i, n in enumerate(fw.nodes)}
     swaps: list[GraphSwap] = []
+    bases: dict[fx.Node, int] = {}
+    for x in outputs[num_fwd_outputs:]:
+        if isinstance(x, fx.Node):
+            bases[view_base(x)] = bases.get(view_base(x), 0) + 1
     for k in range(num_fwd_outputs, len(outputs)):
         x = outputs[k]
-        if not _swappable(x, outputs) or x.name not in placeholders:
+        if not _swappable(x, outputs, bases) or x.name not in placeholders:
             continue
         choice = choose(x)
         if choice is None:

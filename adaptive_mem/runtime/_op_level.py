@@ -42,7 +42,8 @@ __all__ = ["CompileWatch", "eager_only", "outside_dynamo"]
 
 log = logging.getLogger(__name__)
 
-_OP_SWAP_WHY = "the op that produced a saved tensor is not visible inside a compiled block; swap whole layers instead"
+_OP_SWAP_WHY = ("a block compiled on its own shares one graph with the other blocks, so one block's op-level swap "
+                "has no place in it; swap whole layers instead, or compile the whole model (torch.compile(model))")
 _SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
             "mode naming each op by module), which dynamo cannot trace")
 

@@ -67,7 +67,7 @@ class OpSwaps:
         self.swap_layers = {i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP}
         self.pushed: list[tuple[Any, ...] | None] = []
         self.graph_mode = is_compile_wrapper(ctx.model)
-        """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [one joint pass]), no hook does."""
+        """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [partitioner hook]), no hook does."""
 
     def install(self, track: Callable[..., None]) -> None:
         """The hooks on the model and its layers, and the model's forward outside dynamo; ``track(layer, handle,
@@ -185,8 +185,8 @@ class OpSwaps:
 
 def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
     """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
-    [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and the joint
-    graph pass places the swaps in the compiled graph (Note: [one joint pass] in ``_graph_plan.py``). A new
+    [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
+    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``_graph_plan.py``). A new
     function object per plan, so dynamo compiles the planned model anew and the graph meets the pass."""
     eager = outside_dynamo(forward)
 
