@@ -236,3 +236,21 @@ def test_random_swap_sets_stay_exact_and_swap_only_what_they_name(seed):
     assert stats.offloads == stats.reloads
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_graph_ops_match_their_fake_implementations_and_move_bytes_off_the_device():
+    from adaptive_mem.runtime import _graph_ops  # noqa: F401  (registers the ops)
+
+    t = torch.randn(4, 6).t()  # dense, not contiguous: the host copy keeps its strides
+    for op, args in ((torch.ops.adaptive_mem.offload.default, (t, "k")),
+                     (torch.ops.adaptive_mem.reload.default, (t, "k", torch.device("cpu"), []))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    with DeviceMemory(track_existing=False) as mem:
+        x = torch.randn(256, 256)
+        before = mem.live
+        host = torch.ops.adaptive_mem.offload.default(x, "k")
+        del x
+        assert mem.live == before - 256 * 256 * 4  # the host copy is not device memory
+        back = torch.ops.adaptive_mem.reload.default(host, "k", torch.device("cpu"), [])
+        assert mem.live == before
+    assert torch.equal(back, host) and back.stride() == host.stride()
