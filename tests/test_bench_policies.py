@@ -105,5 +105,5 @@ def test_sac_ilp_policy_checkpoints_layers_under_a_tight_budget(spec):
 def test_unknown_policy_is_a_one_line_value_error():
     with pytest.raises(PolicyError, match=r"--policies: 'magic' is not a policy; expected names from none, full"):
         get_policy("magic")
-    assert {"none", "full", "hf-gc", "megatron-selective", "op-sac", "sac-ilp", "compile", "ours-milp",
+    assert {"none", "full", "hf-gc", "megatron-selective", "op-sac", "sac-ilp", "compile", "full+compile", "ours-milp",
             "ours-milp+compile", "ours-adaptive"} == set(policy_names())

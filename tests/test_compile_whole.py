@@ -9,7 +9,6 @@ bench policy compiles the whole model for a plan without swaps, per block otherw
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from types import SimpleNamespace
 
@@ -84,26 +83,21 @@ def _job(tmp_path, decisions: dict) -> dict:
     return {"plan": str(path), "compile_backend": "aot_eager"}
 
 
-@pytest.mark.parametrize("decisions,layout", [({}, "whole-model"), (SELECT, "whole-model"), (SWAP, "per-block"),
-                                              (OP_SWAP, "per-block")], ids=["keep", "select", "swap", "op-swap"])
-def test_policy_compiles_whole_model_unless_the_plan_swaps(tmp_path, decisions, layout):
-    assert compile_layout(_plan(decisions)) == layout
+@pytest.mark.parametrize("decisions", [{}, SELECT, SWAP, OP_SWAP], ids=["keep", "select", "swap", "op-swap"])
+def test_policy_compiles_the_whole_model(tmp_path, decisions):
+    """Note: [ours + compile layout]: every plan, swaps included, runs under one whole-model compile."""
+    assert compile_layout(_plan(decisions)) == "whole-model"
     bundle, batch = _fresh()
     optimizer = torch.optim.Adam(bundle.model.parameters(), lr=1e-4)
     applied = get_policy("ours-milp+compile").apply(bundle, optimizer, _job(tmp_path, decisions))
-    expected = {"decisions": len(decisions), "backend": "aot_eager", "compile": layout}
-    eager = [1] if decisions is OP_SWAP else []  # the report names blocks an op-level swap keeps eager
-    assert applied.info == (expected if layout == "whole-model" else {**expected, "eager_blocks": eager})
+    assert applied.info == {"decisions": len(decisions), "backend": "aot_eager", "compile": "whole-model"}
     model = applied.bundle.model
-    if layout == "whole-model":
-        assert model is not bundle.model and model._orig_mod is bundle.model
-        assert all(layer._compiled_call_impl is None for layer in bundle.model.layers)
-    else:
-        assert model is bundle.model and all(layer._compiled_call_impl is not None for layer in model.layers)
+    assert model is not bundle.model and model._orig_mod is bundle.model
+    assert all(layer._compiled_call_impl is None for layer in bundle.model.layers)
     applied.bundle.loss(batch).backward()
     assert dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] == 1
     applied.remove()
-    assert all(layer._compiled_call_impl is None for layer in bundle.model.layers)
     assert not bundle.model._forward_pre_hooks and not bundle.model._forward_hooks
 
 
@@ -116,14 +110,11 @@ def test_matched_rows_are_planned_in_whole_model_terms(tmp_path):
     assert whole_model_offset(ctx, rows, measured) == keep - 1000
     assert whole_model_offset(ctx, rows[:1], measured[:1]) is None
     assert whole_model_offset(ctx, rows, [measured[0], [{"status": "failed"}]]) is None
-    for decisions, whole in ((SELECT, True), (SWAP, False)):
-        path = tmp_path / f"{whole}.yaml"
+    for decisions in (SELECT, SWAP):
+        path = tmp_path / "plan.yaml"
         _plan(decisions).save(path)
         prepared = {"plan": str(path), "predicted_peak_bytes": 5000}
-        got = whole_model_prediction(prepared, 300)
-        if whole:
-            assert got == {**prepared, "predicted_peak_bytes": 4700, "predicted_peak_bytes_per_block": 5000,
-                           "planned_for": "whole-model", "whole_model_offset_bytes": 300}
-        else:
-            assert got is None
+        assert whole_model_prediction(prepared, 300) == {
+            **prepared, "predicted_peak_bytes": 4700, "predicted_peak_bytes_per_block": 5000,
+            "planned_for": "whole-model", "whole_model_offset_bytes": 300}
         assert whole_model_prediction(prepared, None) is None

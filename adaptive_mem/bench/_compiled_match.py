@@ -1,24 +1,19 @@
 """Matched ``ours-milp+compile`` rows in whole-model terms (Note: [whole-model offset]).
 
-Note: [whole-model offset]. The compiled profile is measured per block, but ours + compile runs a plan without
-swaps under a whole-model compile (Note: [ours + compile layout] in ``_policy_compiled.py``), which holds less:
+Note: [whole-model offset]. The compiled profile is measured per block, but ours + compile runs its plan under
+a whole-model compile (Note: [ours + compile layout] in ``_policy_compiled.py``), which holds less:
 it fuses across blocks, head and loss. The offset is the keep-all plan's predicted peak on the per-block
 compiled profile minus the measured peak of ``compile`` at budget 1.0 (the same whole-model compile with no
 plan), so it also absorbs the simulator's error at keep-all. A matched row at a compile row's measured peak P
-is searched at P + offset; its plan runs whole-model when it has no swaps, else the search falls back to the
-per-block budget. Predicted peaks of whole-model plans are reported in whole-model terms (per-block figure
-minus the offset). Guarded by tests/test_compile_whole.py.
+is searched at P + offset. Predicted peaks are reported in whole-model terms (per-block figure minus the
+offset). Guarded by tests/test_compile_whole.py.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from search.planning import simulate_assignment
-from search.planning import keep_all
-from search import Plan
-
-from ._policy_compiled import compile_layout
+from search.planning import keep_all, simulate_assignment
 
 __all__ = ["whole_model_offset", "whole_model_prediction"]
 
@@ -34,8 +29,8 @@ def whole_model_offset(ctx: Any, rows: list, measured: list) -> int | None:
 
 
 def whole_model_prediction(prepared: dict[str, Any], offset: int | None) -> dict[str, Any] | None:
-    """``prepared`` in whole-model terms when its plan runs whole-model, else None."""
-    if offset is None or compile_layout(Plan.load(prepared["plan"])) != "whole-model":
+    """``prepared`` in whole-model terms (every plan runs whole-model); None without an offset."""
+    if offset is None:
         return None
     return {**prepared, "predicted_peak_bytes": int(prepared["predicted_peak_bytes"]) - offset,
             "predicted_peak_bytes_per_block": int(prepared["predicted_peak_bytes"]), "planned_for": "whole-model",

@@ -15,11 +15,11 @@ def _registry() -> dict[str, Policy]:
     from ._policy_eager import FullRecompute, HFGradientCheckpointing, MegatronSelective, NoCheckpointing, OpLevelSAC
     from ._policy_compiled import MilpCompiledPolicy
     from ._policy_ours import AdaptivePolicy, MilpPolicy
-    from ._policy_torch import CompileBudget, SacIlp
+    from ._policy_torch import CompileBudget, FullCompiled, SacIlp
 
     out: dict[str, Policy] = {}
     for cls in (NoCheckpointing, FullRecompute, HFGradientCheckpointing, MegatronSelective, OpLevelSAC, SacIlp,
-                CompileBudget, MilpPolicy, MilpCompiledPolicy, AdaptivePolicy):
+                CompileBudget, FullCompiled, MilpPolicy, MilpCompiledPolicy, AdaptivePolicy):
         out[cls.name] = cls()
     return out
 

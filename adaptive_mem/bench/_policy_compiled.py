@@ -1,49 +1,30 @@
 """Ours with ``torch.compile``: the ``milp`` plan searched on the profile of the model compiled per block, applied
 to the model, then compiled (torchtitan's order: the plan first, then compile).
 
-Note: [ours + compile layout]. A plan without swap decisions runs under a whole-model ``torch.compile`` (as the
+Note: [ours + compile layout]. Ours + compile runs its plan under a whole-model ``torch.compile`` (as the
 ``compile`` policy, ``activation_memory_budget`` 1.0): it fuses across blocks, head and loss, which per-block
-compile cannot (llama-small 2x512: 2.3 MiB less with no plan), and its recompute runs through the compiled
-selective-checkpoint policy. A plan with swaps compiles every block (``layer.compile``): swap is refused under a
-whole-model compile (``runtime/_compiled_swap.py``). ``info["compile"]`` records which
-(tests/test_compile_whole.py)."""
+compile cannot (llama-small 2x512: 2.3 MiB less with no plan); its recompute runs through the compiled
+selective-checkpoint policy and its swaps inside the compiled graph (Note: [partitioner hook] in
+``runtime/_graph_plan.py``). ``info["compile"]`` records the layout (tests/test_compile_whole.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from ._policy_base import Applied, Policy, compile_whole_model, layers_of
+from ._policy_base import Applied, Policy, compile_whole_model
 
-__all__ = ["MilpCompiledPolicy", "compile_blocks", "compile_layout"]
-
-
-def compile_blocks(model: Any, backend: str) -> Any:
-    """Compile every block of ``model`` in place (``nn.Module.compile``); returns the undo."""
-    import torch._dynamo
-
-    layers = layers_of(model)
-    for layer in layers:
-        layer.compile(backend=backend)
-
-    def undo() -> None:
-        for layer in layers:
-            layer._compiled_call_impl = None
-        torch._dynamo.reset()
-    return undo
+__all__ = ["MilpCompiledPolicy", "compile_layout"]
 
 
 def compile_layout(plan: Any) -> str:
-    """``"whole-model"`` for a plan without swap decisions, else ``"per-block"`` (Note: [ours + compile layout])."""
-    from search import Action
-
-    swaps = any(d.action is Action.SWAP for d in plan.decisions.values())
-    return "per-block" if swaps else "whole-model"
+    """The layout ours + compile runs ``plan`` under: always ``"whole-model"`` (Note: [ours + compile layout])."""
+    return "whole-model"
 
 
 class MilpCompiledPolicy(Policy):
     name = "ours-milp+compile"
     label = ("adaptive-mem: the milp plan searched on the profile of the model compiled per block ({backend}), "
-             "applied, then the whole model compiled (plans without swaps) or every block (plans with swaps)")
+             "applied, then the whole model compiled")
     budgeted = True
     eager = False
     ours = True
@@ -67,15 +48,6 @@ class MilpCompiledPolicy(Policy):
         layout = compile_layout(plan)
         handle = optimize(bundle.model, plan=plan)
         info = {"decisions": len(plan.decisions), "backend": backend, "compile": layout}
-        if layout == "per-block":
-            executor = handle._executor  # Note: [compiled search space]: searched plans leave none eager
-            info["eager_blocks"] = executor.eager_blocks() if executor is not None else []
-            undo = compile_blocks(bundle.model, backend)
-
-            def remove() -> None:
-                undo()
-                handle.remove()
-            return Applied(bundle, remove, info=info)
         compiled, undo_compile = compile_whole_model(bundle.model, backend=backend, budget=1.0)
 
         def remove_whole() -> None:

@@ -13,7 +13,7 @@ import torch
 
 from ._policy_base import Applied, Policy, _checkpointed, _undo_all, _wrap_forward, compile_whole_model, layers_of
 
-__all__ = ["CompileBudget", "SacIlp"]
+__all__ = ["CompileBudget", "FullCompiled", "SacIlp"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,23 @@ class CompileBudget(Policy):
         backend = job.get("compile_backend", "inductor")
         compiled, undo = compile_whole_model(bundle.model, backend=backend, budget=job["budget"])
         return Applied(dataclasses.replace(bundle, model=compiled), undo, info={"backend": backend})
+
+
+class FullCompiled(Policy):
+    name = "full+compile"
+    label = ("full recompute (torch.utils.checkpoint around every layer) under torch.compile ({backend} backend, "
+             "whole model)")
+    eager = False
+
+    def label_for(self, backend: str) -> str:
+        return self.label.format(backend=backend)
+
+    def apply(self, bundle, optimizer, job):
+        backend = job.get("compile_backend", "inductor")
+        undos = [_wrap_forward(layer, _checkpointed) for layer in layers_of(bundle.model)]
+        compiled, undo = compile_whole_model(bundle.model, backend=backend, budget=1.0)
+        return Applied(dataclasses.replace(bundle, model=compiled), _undo_all([undo, *undos]),
+                       info={"backend": backend})
 
 
 def _sac_decisions(stats: Any, keep_fraction: float) -> dict[str, collections.deque]:

@@ -127,9 +127,9 @@ _WHOLE_KEYS = ("predicted_peak_bytes_per_block", "planned_for")
 
 
 def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], *, compiled: bool = False) -> list[int]:
-    """Rows ours is matched against: the eager competitors, or (``compiled``) the ``compile`` rows."""
+    """Rows ours is matched against: the eager competitors, or (``compiled``) the ``compile`` and ``full+compile`` rows."""
     if compiled:
-        return [k for k, (row, job) in enumerate(rows) if job is not None and row["policy"] == "compile"]
+        return [k for k, (row, job) in enumerate(rows) if job is not None and row["policy"] in ("compile", "full+compile")]
     return [k for k, (row, job) in enumerate(rows)
             if job is not None and row["eager"] and not row["ours"] and row["policy"] != "none"]
 

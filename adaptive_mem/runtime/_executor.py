@@ -42,6 +42,7 @@ from search import Action, Plan
 from ._accounting import current_accounting
 from ._compiled_swap import CompiledBlocks
 from ._copy_guard import CopyGuard
+from ._graph_plan import GraphPlan, activate, deactivate
 from ._groups import CheckpointGroups
 from ._op_level import CompileWatch, eager_only
 from ._op_swap import OpSwaps
@@ -95,6 +96,8 @@ class Executor:
         self.copies = CopyGuard(model, handles=ctx.handles, forwards=ctx.forwards, attrs=self.blocks.attrs)
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
+        self.graph = GraphPlan(ctx) if engine is not None else None
+        """The plan's swaps in whole-model compiled graphs (Note: [partitioner hook])."""
 
     @property
     def engine(self) -> SwapEngine | None:
@@ -119,6 +122,7 @@ class Executor:
         self.copies.install()
         if ctx.engine is not None:
             self.blocks.sync()
+            activate(self.graph)
 
     def _install_forwards(self) -> None:
         """The instance forward of each recomputed layer: group, whole layer or selective."""
@@ -158,6 +162,8 @@ class Executor:
 
     def remove(self) -> None:
         ctx = self.ctx
+        if self.graph is not None:
+            deactivate(self.graph)
         self.copies.remove()
         self.blocks.remove()
         for handle in ctx.handles:

@@ -42,10 +42,8 @@ __all__ = ["CompileWatch", "eager_only", "outside_dynamo"]
 
 log = logging.getLogger(__name__)
 
-_WHOLE_SWAP_WHY = ("a whole-model graph hands its saved tensors to autograd only at the end of its forward, too late "
-                   "for offloading to lower the peak; compile each block instead (layer.compile() or "
-                   "optimize(compile=...))")
-_OP_SWAP_WHY = "the op that produced a saved tensor is not visible inside a compiled block; swap whole layers instead"
+_OP_SWAP_WHY = ("a block compiled on its own shares one graph with the other blocks, so one block's op-level swap "
+                "has no place in it; swap whole layers instead, or compile the whole model (torch.compile(model))")
 _SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
             "mode naming each op by module), which dynamo cannot trace")
 
@@ -137,9 +135,7 @@ class CompileWatch:
         parts = []
         if ctx.engine is not None:
             op_swap = [i for i in blocks if i in self.op_swap]  # Note: [swap around compiled blocks]
-            if whole:
-                parts.append(f"swap of the whole model runs outside the compiled region: {_WHOLE_SWAP_WHY}")
-            elif op_swap:
+            if op_swap and not whole:
                 parts.append(f"op-level swap of {_span(container, op_swap)} runs outside the compiled region: "
                              f"{_OP_SWAP_WHY}")
         sac = sorted(i for i, st in self.sac.items() if st.swaps and (whole or i in blocks))

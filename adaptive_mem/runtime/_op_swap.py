@@ -16,9 +16,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from profiler.naming import is_compile_wrapper
 from search import Action
 
-from ._op_level import outside_dynamo
+from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._swap_engine import Packed, backs_parameter, local_shard, no_cycle
@@ -65,22 +66,26 @@ class OpSwaps:
         self.quiet_layer = False  # inside a layer that swaps nothing: the tracker skips naming
         self.swap_layers = {i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP}
         self.pushed: list[tuple[Any, ...] | None] = []
+        self.graph_mode = is_compile_wrapper(ctx.model)
+        """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [partitioner hook]), no hook does."""
 
     def install(self, track: Callable[..., None]) -> None:
         """The hooks on the model and its layers, and the model's forward outside dynamo; ``track(layer, handle,
         on_layer=True)`` tells the compiled blocks of each layer hook (Note: [swap around compiled blocks])."""
         ctx = self.ctx
         model = ctx.model
-        ctx.handles.append(model.register_forward_pre_hook(outside_dynamo(self._root_pre)))
-        ctx.handles.append(model.register_forward_hook(outside_dynamo(self._root_post), always_call=True))
+        ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
+        ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
         for i, layer in enumerate(ctx.layers):
-            pre, post = (outside_dynamo(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
+            pre, post = (eager_only(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
                 ctx.handles.append(handle)
                 track(i, handle, on_layer=True)
+        if self.graph_mode:
+            model = model._orig_mod
         had = "forward" in model.__dict__
         ctx.forwards.append((model, had, model.__dict__.get("forward")))
-        model.forward = outside_dynamo(model.__dict__["forward"] if had else type(model).forward.__get__(model))
+        model.forward = _two_way(model.__dict__["forward"] if had else type(model).forward.__get__(model))
 
     def close(self) -> None:
         while self.pushed:
@@ -91,6 +96,8 @@ class OpSwaps:
 
     # ================================================================== hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
+        if self.graph_mode:
+            return
         if not self.pushed:
             self.ctx.engine.begin_forward()
             self.producer.clear()
@@ -99,6 +106,8 @@ class OpSwaps:
         self.push()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.graph_mode:
+            return
         self.pop()
         if self.pushed:
             return
@@ -172,6 +181,21 @@ class OpSwaps:
         entry = self.pushed.pop()
         for ctx in reversed(entry or ()):
             ctx.__exit__(None, None, None)
+
+
+def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
+    [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
+    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``_graph_plan.py``). A new
+    function object per plan, so dynamo compiles the planned model anew and the graph meets the pass."""
+    eager = outside_dynamo(forward)
+
+    @functools.wraps(forward)
+    def planned_forward(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        return eager(*args, **kwargs)
+    return planned_forward
 
 
 def _outputs(output: Any) -> Any:
