@@ -254,3 +254,18 @@ def test_graph_ops_match_their_fake_implementations_and_move_bytes_off_the_devic
         back = torch.ops.adaptive_mem.reload.default(host, "k", torch.device("cpu"), [])
         assert mem.live == before
     assert torch.equal(back, host) and back.stride() == host.stride()
+
+
+def test_blocks_compiled_on_their_own_swap_through_their_hooks_only():
+    """``GraphPlan.owns``: a block's own graph (shared by dynamo between the blocks) is left to the hooks around it
+    (Note: [swap around compiled blocks]), so nothing is offloaded twice."""
+    bundle = _bundle()
+    torch._dynamo.reset()
+    handle = optimize(bundle.model, plan=_plan(WHOLE), compile="aot_eager")
+    try:
+        with graph_swap_stats() as stats:
+            compiled_step(bundle.model, bundle.model, bundle.batch(seed=0))
+        engine_bytes = handle.swap_stats.offloaded_bytes
+    finally:
+        handle.remove()
+    assert stats.offloads == 0 and engine_bytes > 0

@@ -67,9 +67,15 @@ class GraphPlan:
         """The offload/reload pairs inserted in this plan's graphs."""
 
     def owns(self, graph: fx.Graph) -> bool:
-        """Whether ``graph`` runs modules of this plan's model."""
-        paths = self.namer.paths
-        return any(mid in paths for n in graph.nodes for _, mid in _stack_ids(n, "nn_module_stack"))
+        """Whether ``graph`` is a whole-model graph of this plan's model: it runs the model's modules, and not only
+        those of one layer. A block compiled on its own swaps through the hooks around it (Note: [swap around
+        compiled blocks]); dynamo shares its graph between the blocks, where a per-layer decision has no place."""
+        paths, layers = self.namer.paths, set()
+        for node in graph.nodes:
+            for _, mid in _stack_ids(node, "nn_module_stack"):
+                if mid in paths:
+                    layers.add(self.layer_of.get(mid))
+        return bool(layers) and (None in layers or len(layers) > 1)
 
     def unit_names(self, graph: fx.Graph) -> dict[fx.Node, str]:
         """The unit of each forward op node (Note: [graph swap names])."""
