@@ -1,12 +1,13 @@
-"""The plans a model compiled per block can run compiled.
+"""The plans searched on a profile of the model compiled per block.
 
-Note: [compiled search space]. Under ``torch.compile`` per block the executor swaps what a compiled block
-saves as a whole (the saved-tensor hooks around the block see the partitioner's saved tensors, not the ops
-that made them) and honours op-level recompute through the compiled selective-checkpoint policy; a block
-holding op-level swaps, or recompute mixed with swaps, runs eager (``adaptive_mem/runtime/_compiled_swap.py``).
-On a profile of the model compiled per block (``profile.compiled["layout"] == "per-block"``) a layer position
-therefore takes one of: no swap (any keep / recompute mix, the whole layer recomputed with or without its input
-swapped), or every unit swapped at one prefetch distance; positions outside the layers (embedding, head, loss)
+Note: [compiled search space]. A profile of the model compiled per block (``profile.compiled["layout"] ==
+"per-block"``) measures what each compiled block saves as a whole, and spreads it over the block's units in
+proportion: its per-unit figures are good for whole-layer decisions only. The executor honours op-level recompute
+through the compiled selective-checkpoint policy, and runs op-level swaps compiled too (in the block's or the
+whole model's graph), but select recompute mixed with swaps in one layer runs eager
+(``adaptive_mem/runtime/_compiled_swap.py``). On such a profile a layer position therefore takes one of: no swap
+(any keep / recompute mix, the whole layer recomputed with or without its input swapped), or every unit swapped at
+one prefetch distance; positions outside the layers (embedding, head, loss)
 run eager and take anything. The milp's menus hold only these options, every solver's assignment is projected
 into the space before it is judged, and the plan names a whole-layer swap by the layer's path, which is what
 the executor runs compiled. Guarded by tests/test_compiled_space.py.

@@ -25,8 +25,6 @@ from _compile_common import compiled_step
 BACKEND = "aot_eager"
 LAYERS = 2  # llama-tiny with 2 layers: whole-model compiles stay within seconds on 2 cores
 SWAP = {"action": "swap", "backward_prefetch": 1}
-OP_SWAP_WHY = ("a block compiled on its own shares one graph with the other blocks, so one block's op-level swap "
-               "has no place in it; swap whole layers instead, or compile the whole model (torch.compile(model))")
 SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
            "mode naming each op by module), which dynamo cannot trace")
 
@@ -96,10 +94,8 @@ def test_plan_runs_compiled_or_warns_once(mode: str, order: str, name: str, capl
     ref = _reference(mode)
     model, batch = _fresh()
     decisions, groups, eager = _plans()[name]
-    if eager == "swap" and mode == "whole":  # Note: [partitioner hook]: the swaps run inside the whole-model graph
-        eager = None
-    elif eager == "swap":  # Note: [swap around compiled blocks]: whole layers swap compiled
-        eager = None if name == "layer-swap" else "op-level swap"
+    if eager == "swap":  # Note: [partitioner hook], Note: [swap around compiled blocks], Note: [op-level swap in a
+        eager = None     # block]: every swap runs compiled
     plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions, "groups": groups})
     caplog.set_level(logging.WARNING)
     handle = optimize(model, plan=plan) if order == "optimize-then-compile" else None
@@ -118,7 +114,7 @@ def test_plan_runs_compiled_or_warns_once(mode: str, order: str, name: str, capl
             assert warned == []
         else:
             where = f"layers.0-{LAYERS - 1}"
-            why = OP_SWAP_WHY if eager == "op-level swap" else SAC_WHY
+            why = SAC_WHY
             assert warned == [f"adaptive_mem: {eager} of {where} runs outside the compiled region: {why}; "
                               "the blocks run eager"]
     if eager is not None and order == "compile-then-optimize":  # the skipped blocks are not left marked eager

@@ -177,10 +177,8 @@ def _detail(r: dict[str, Any]) -> str | None:
                 f"no optimizer state); estimators + MILP took {info.get('solve_seconds', 0):.1f} s")
     if r["policy"] == "ours-adaptive" and "adaptive_summary" in info:
         return f"{info['adaptive_summary']} ({warm.get('warmup_steps', '?')} warm-up steps before measuring)"
-    if r["policy"] in ("compile", "ours-milp+compile") and info.get("backend"):
+    if r["policy"] in ("compile", "full+compile", "ours-milp+compile") and info.get("backend"):
         what = f"backend {info['backend']}" + (f", compiled {info['compile']}" if info.get("compile") else "")
-        if info.get("eager_blocks"):
-            what += f" ({len(info['eager_blocks'])} blocks eager: op-level swaps)"
         return f"{what}; first (compiling) step took {warm.get('warmup_times', ['?'])[0]} s" \
             if warm.get("warmup_times") else what
     return None

@@ -14,15 +14,16 @@ as the eager path would). The prefetch trigger is a hook on the block's output r
 wrapper, in eager code.
 The executor's hooks on modules inside a wrapped block are removed (inside the compiled frame each
 would be a graph break; a selective layer without swap units keeps its namer hooks, skipped while
-compiling). A block holding op-level swaps, or a selective layer with swap units, stays eager: the
-op that produced a saved tensor is not visible inside a compiled block. Guarded by
-tests/test_compile_swap.py and tests/test_compile_honoured.py.
+compiling). A block holding op-level swaps is wrapped too, without the hooks: its swaps are placed in its
+compiled graph (Note: [op-level swap in a block]). A selective layer with swap units stays eager (Note:
+[compile honoured]). Guarded by tests/test_compile_swap.py and tests/test_compile_honoured.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import types
 import weakref
 from typing import Any, Callable
 
@@ -60,7 +61,8 @@ class CompiledBlocks:
         self.attrs: list[tuple[nn.Module, str, bool, Any, Any]] = []  # (module, name, had, old, wrapper)
         self.whole_swap = self._whole_swap_layers()
         self.op_swap = [i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap]
-        """Layers holding op-level swaps: they stay eager when compiled."""
+        """Layers holding op-level swaps: compiled, their block graphs swap (Note: [op-level swap in a block])."""
+        self._codes: dict[tuple, Any] = {}
         self._warned = False
 
     def _whole_swap_layers(self) -> dict[int, int]:
@@ -104,7 +106,7 @@ class CompiledBlocks:
         changed = False
         for i in range(ctx.num_layers):
             sac = self.sac.get(i)
-            if i in self.op_swap or (sac is not None and getattr(sac, "swaps", True)):
+            if sac is not None and getattr(sac, "swaps", True):
                 continue  # eager paths (Note: [compile honoured])
             target = self._target(i)
             if target is None:
@@ -116,12 +118,37 @@ class CompiledBlocks:
             # a selective layer keeps its namer hooks (skipped while compiling, Note: [compiled SAC names])
             for handle in self.handles.pop(i, ()) if sac is None else self.layer_hooks.get(i, ()):
                 handle.remove()
+            if i in self.op_swap:
+                self._own_graph(i)
             wrapper = self._wrap(i, old if old is not None else getattr(module, name))
             self.attrs.append((module, name, name in module.__dict__, old, wrapper))
             module.__dict__[name] = wrapper
             changed = True
         if changed:
             self.on_wrap()
+
+    def _signature(self, i: int) -> tuple:
+        """Layer ``i``'s swap decisions in local names: layers with equal signatures may share one block graph."""
+        ctx = self.ctx
+        path = ctx.res.layers.layer_path(i)
+        return tuple(sorted((t[len(path) + 1:], d.action.value, d.backward_prefetch)
+                            for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")))
+
+    def _own_graph(self, i: int) -> None:
+        """Note: [op-level swap in a block]. Dynamo compiles one graph for every block of a class (the modules are
+        inlined, their parameters are inputs), so a block holding op-level swaps gets an instance forward whose code
+        object is one per swap signature (:meth:`_signature`): dynamo guards on the forward's code, compiles one graph
+        per signature, and the graph pass (Note: [partitioner hook] in ``_graph_plan.py``) places that signature's
+        swaps in it, the reload at the start of the block's backward at the latest (a block's backward graph holds
+        no other layer). Blocks of one signature share its graph, which is right: their decisions are the same."""
+        if "forward" in self.ctx.layers[i].__dict__:
+            return
+        template = _own_forward(self.ctx.orig(i))
+        sig = self._signature(i)
+        if sig not in self._codes:
+            self._codes[sig] = template.__code__.replace(co_name=f"forward_swaps_{len(self._codes)}")
+        self.ctx.set_forward(i, types.FunctionType(self._codes[sig], template.__globals__, None, None,
+                                                   template.__closure__))
 
     def remove(self) -> None:
         for module, name, had, old, wrapper in reversed(self.attrs):
@@ -190,3 +217,10 @@ class CompiledBlocks:
             self._warned = True
             log.warning("adaptive_mem: compiled block %s runs eager: a dispatch mode entered inside the model's "
                         "forward sits above the swap engine's op tracker", self.ctx.res.layers.layer_path(i))
+
+
+def _own_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The template of a block's own forward (Note: [op-level swap in a block]): its code is copied per signature."""
+    def own_forward(*args: Any, **kwargs: Any) -> Any:
+        return forward(*args, **kwargs)
+    return own_forward

@@ -92,11 +92,11 @@ class Executor:
         self.swaps = OpSwaps(ctx, on_forward=self._forward_begins)
         self.blocks = CompiledBlocks(ctx, self.swaps, self.selective.states,  # Note: [swap around compiled blocks]
                                      on_wrap=lambda: self.copies.install())
-        self.compile_watch = CompileWatch(ctx, self.selective.states, self.blocks.op_swap)
+        self.compile_watch = CompileWatch(ctx, self.selective.states)
         self.copies = CopyGuard(model, handles=ctx.handles, forwards=ctx.forwards, attrs=self.blocks.attrs)
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
-        self.graph = GraphPlan(ctx) if engine is not None else None
+        self.graph = GraphPlan(ctx, self.blocks.op_swap) if engine is not None else None
         """The plan's swaps in whole-model compiled graphs (Note: [partitioner hook])."""
 
     @property
@@ -104,7 +104,7 @@ class Executor:
         return self.ctx.engine
 
     def eager_blocks(self) -> list[int]:
-        """Layers whose compiled block runs eager under this plan: op-level swaps, select recompute with swaps."""
+        """Layers whose compiled block runs eager under this plan: select recompute with swaps."""
         return self.compile_watch.eager_blocks()
 
     # ================================================================== install / remove

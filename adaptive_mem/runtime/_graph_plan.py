@@ -54,8 +54,10 @@ def _base(node: fx.Node) -> fx.Node:
 class GraphPlan:
     """The swap decisions of one executor's plan for the compiled graphs of its model."""
 
-    def __init__(self, ctx: PlanContext) -> None:
+    def __init__(self, ctx: PlanContext, op_swap: list[int] | tuple[int, ...] = ()) -> None:
+        """``op_swap``: the layers holding op-level swaps, whose blocks compiled on their own swap in their graph."""
         self.ctx = ctx
+        self.op_swap = set(op_swap)
         self.namer = ctx.namer
         self.layer_of = {id(m): i for i, layer in enumerate(ctx.layers) for m in layer.modules()}
         self.layer_ids = {id(layer): i for i, layer in enumerate(ctx.layers)}
@@ -67,15 +69,16 @@ class GraphPlan:
         """The offload/reload pairs inserted in this plan's graphs."""
 
     def owns(self, graph: fx.Graph) -> bool:
-        """Whether ``graph`` is a whole-model graph of this plan's model: it runs the model's modules, and not only
-        those of one layer. A block compiled on its own swaps through the hooks around it (Note: [swap around
-        compiled blocks]); dynamo shares its graph between the blocks, where a per-layer decision has no place."""
+        """Whether the pass places this plan's swaps in ``graph``: a whole-model graph of its model (it runs modules
+        of more than one layer, or outside the layers), or the block graph of a layer holding op-level swaps (Note:
+        [op-level swap in a block]). Other blocks compiled on their own swap through the hooks around them (Note:
+        [swap around compiled blocks])."""
         paths, layers = self.namer.paths, set()
         for node in graph.nodes:
             for _, mid in _stack_ids(node, "nn_module_stack"):
                 if mid in paths:
                     layers.add(self.layer_of.get(mid))
-        return bool(layers) and (None in layers or len(layers) > 1)
+        return bool(layers) and (None in layers or len(layers) > 1 or layers <= self.op_swap)
 
     def unit_names(self, graph: fx.Graph) -> dict[fx.Node, str]:
         """The unit of each forward op node (Note: [graph swap names])."""

@@ -12,13 +12,14 @@ So both eager paths run outside dynamo on purpose: the eager selective-checkpoin
 and every executor hook are ``torch.compiler.disable``d, and while the swap hooks are pushed
 the model's forward is disabled and the stance is ``force_eager``, so compiled blocks run
 eager without being marked, except those the executor wraps (Note: [swap around compiled blocks]
-in ``_compiled_swap.py``: whole-layer swap and blocks without swaps stay compiled). A selective layer without swap units chooses at call time:
+in ``_compiled_swap.py``: whole-layer swap, op-level swap (Note: [op-level swap in a block]) and blocks without
+swaps stay compiled). A selective layer without swap units chooses at call time:
 while dynamo traces it (``torch.compiler.is_compiling()``) it runs a plain checkpoint whose
 ``context_fn`` is the compile-mode policy (Note: [compiled SAC names]), and the namer hooks
 are skipped (:func:`eager_only`), so select recompute stays inside the compiled block with
 0 graph breaks; eager, it takes the eager path. Whole-layer and group recompute stay
-traceable too (tests/test_compile_sac.py). When compiled blocks meet an eager-only path
-(swap; a selective layer with swap units), one warning per
+traceable too (tests/test_compile_sac.py). When compiled blocks meet the eager-only path
+(a selective layer with swap units), one warning per
 plan application names the blocks and the reason (:meth:`CompileWatch.check`,
 at install and at each forward until it has warned; guarded by
 tests/test_compile_honoured.py).
@@ -42,8 +43,6 @@ __all__ = ["CompileWatch", "eager_only", "outside_dynamo"]
 
 log = logging.getLogger(__name__)
 
-_OP_SWAP_WHY = ("a block compiled on its own shares one graph with the other blocks, so one block's op-level swap "
-                "has no place in it; swap whole layers instead, or compile the whole model (torch.compile(model))")
 _SAC_WHY = ("its swap units are offloaded from the cache of the eager selective-checkpoint policy (a dispatch "
             "mode naming each op by module), which dynamo cannot trace")
 
@@ -101,12 +100,11 @@ class CompileWatch:
     """Finds the compiled blocks of a planned model and warns once when they meet a path dynamo cannot trace.
 
     ``sac``: the states of the selectively checkpointed layers by index (``SelectiveLayers.states``: each says
-    whether it ``swaps``); ``op_swap``: the layers holding op-level swaps (``CompiledBlocks.op_swap``)."""
+    whether it ``swaps``)."""
 
-    def __init__(self, ctx: PlanContext, sac: dict[int, Any], op_swap: list[int]) -> None:
+    def __init__(self, ctx: PlanContext, sac: dict[int, Any]) -> None:
         self.ctx = ctx
         self.sac = sac
-        self.op_swap = op_swap
         self.warned = False
 
     def _compiled_blocks(self, *, in_forward: bool) -> tuple[bool, list[int]]:
@@ -119,25 +117,19 @@ class CompileWatch:
         return whole, blocks
 
     def eager_blocks(self) -> list[int]:
-        """Layers whose compiled block runs eager under this plan: op-level swaps, select recompute with swaps."""
-        out = set(self.op_swap) if self.ctx.engine is not None else set()
-        return sorted(out | {i for i, st in self.sac.items() if st.swaps})
+        """Layers whose compiled block runs eager under this plan: select recompute with swaps."""
+        return sorted(i for i, st in self.sac.items() if st.swaps)
 
     def check(self, *, in_forward: bool = False) -> None:
         """Warn once when compiled blocks meet a path dynamo cannot trace."""
         ctx = self.ctx
-        if self.warned or (ctx.engine is None and not self.sac):
+        if self.warned or not any(st.swaps for st in self.sac.values()):
             return
         whole, blocks = self._compiled_blocks(in_forward=in_forward)
         if not whole and not blocks:
             return
         container = ctx.res.layers.container if ctx.res.layers is not None else ""
         parts = []
-        if ctx.engine is not None:
-            op_swap = [i for i in blocks if i in self.op_swap]  # Note: [swap around compiled blocks]
-            if op_swap and not whole:
-                parts.append(f"op-level swap of {_span(container, op_swap)} runs outside the compiled region: "
-                             f"{_OP_SWAP_WHY}")
         sac = sorted(i for i, st in self.sac.items() if st.swaps and (whole or i in blocks))
         if sac:
             parts.append(f"select recompute of {_span(container, sac)} runs outside the compiled region: {_SAC_WHY}")
