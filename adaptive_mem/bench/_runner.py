@@ -10,7 +10,7 @@ the simulator's terms: the competitor's predicted peak when it is a plan the sim
 (full, megatron-selective, hf-gc), else its measured peak scaled by the simulator's median
 predicted/measured ratio on those competitors. Those rows then join the interleaved repeats.
 Likewise ``ours-milp+compile`` (planned on the profile of the model compiled per block) is searched and
-run at each ``compile`` row's measured peak, in whole-model terms when its plan has no swaps (Note: [whole-model
+run at each ``compile`` and ``full+compile`` row's measured peak, in whole-model terms (Note: [whole-model
 offset] in ``_compiled_match.py``).
 """
 
