@@ -15,6 +15,7 @@ of layers is "backward begins": the first backward node), found from the backwar
 from __future__ import annotations
 
 import operator
+import weakref
 from typing import Callable
 
 import torch._functorch._activation_offloading.activation_offloading as _offloading
@@ -152,7 +153,8 @@ class GraphPlan:
 # (a swap unit's value it recomputes frees its bytes anyway), so a compiled profile measured without a plan
 # describes the graph the plan swaps in. AOT autograd's cache is off meanwhile: a graph compiled without the
 # pass must not be served from it. All is restored when the last plan is removed.
-_active: list[GraphPlan] = []
+_active: weakref.WeakSet[GraphPlan] = weakref.WeakSet()
+"""The installed plans; weak, so a plan whose model is gone without ``remove()`` does not live on here."""
 _saved: dict[str, object] = {}
 
 
@@ -166,28 +168,35 @@ def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_o
     if plan is not None:
         plan.swaps.extend(insert_graph_swaps(fw_module, bw_module, num_fwd_outputs, plan.chooser(fw_module.graph),
                                              plan.anchors(bw_module.graph)))
-    _saved["offloading"](fw_module, bw_module, num_fwd_outputs, *args, **kwargs)
+    original = _saved["offloading"]
+    if not _active:  # every plan gone without remove(): the hook goes too
+        _restore()
+    original(fw_module, bw_module, num_fwd_outputs, *args, **kwargs)
+
+
+def _restore() -> None:
+    if _saved:
+        _offloading.enable_activation_offloading = _saved.pop("offloading")
+        for key, value in _saved.items():
+            setattr(functorch_config, key, value)
+        _saved.clear()
 
 
 def activate(plan: GraphPlan) -> None:
     """Hand the graphs of ``plan``'s model to it (Note: [partitioner hook])."""
-    if not _active:
+    if not _saved:
         _saved.update(enable_autograd_cache=functorch_config.enable_autograd_cache,
                       enable_activation_offloading=functorch_config.enable_activation_offloading,
                       offloading=_offloading.enable_activation_offloading)
         functorch_config.enable_autograd_cache = False
         functorch_config.enable_activation_offloading = True
         _offloading.enable_activation_offloading = _partitioned
-    _active.append(plan)
+    _active.add(plan)
     count_into(plan.owner, plan.ctx.engine.stats if plan.ctx.engine is not None else None)
 
 
 def deactivate(plan: GraphPlan) -> None:
-    if plan in _active:
-        count_into(plan.owner, None)
-        _active.remove(plan)
-        if not _active:
-            _offloading.enable_activation_offloading = _saved.pop("offloading")
-            for key, value in _saved.items():
-                setattr(functorch_config, key, value)
-            _saved.clear()
+    count_into(plan.owner, None)
+    _active.discard(plan)
+    if not _active:
+        _restore()
