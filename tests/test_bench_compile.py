@@ -128,3 +128,31 @@ def test_a_matched_row_no_plan_can_bring_lower_says_so():
     _fit_matched(0, rows, measured, execute, config, Ctx(), Bar())
     assert rows[0][0]["over_match"] == "no plan of ours fits lower" and rows[0][1] == {"policy": "ours-milp"}
     assert measured == [[{"status": "ok", "peak_bytes": 104}]]
+
+
+def test_a_matched_row_over_after_every_try_keeps_its_closest_run():
+    """Note: [matched at no more memory]: three runs all over the peak (104, 103, 110 B over 100): the second, the
+    closest, is kept with its own plan and results."""
+    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
+    peaks = iter([104, 103, 110])
+
+    class Ctx:
+        def predict(self, solver, name, *, budget, limit, tag):
+            return {"predicted_peak_bytes": limit - 5, "plan": f"plans/{tag}.yaml"}
+
+    class Bar:
+        total = 3
+
+        def refresh(self):
+            pass
+
+    row = {"policy": "ours-milp", "match": "full", "match_peak_bytes": 100, "budget_bytes": 102}
+    rows, measured = [(row, {"policy": "ours-milp"})], [[]]
+
+    def execute(todo):
+        for k in todo:
+            measured[k].append({"status": "ok", "peak_bytes": next(peaks)})
+
+    _fit_matched(0, rows, measured, execute, config, Ctx(), Bar())
+    assert measured == [[{"status": "ok", "peak_bytes": 103}]]
+    assert rows[0][1]["plan"] == "plans/ours-milp-match-0-fit1.yaml"
