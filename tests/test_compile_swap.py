@@ -303,3 +303,19 @@ def test_flag_set_compile_without_a_plan_compiles_blocks():
     _assert_equal(_step(model, model, batch), ref)
     handle.remove()
     assert all(layer._compiled_call_impl is None for layer in model.layers)
+
+
+def test_more_swap_patterns_than_dynamos_recompile_limit_warn_once(caplog):
+    """Note: [op-level swap in a block]: each distinct pattern of op-level swaps is one more block graph; past
+    dynamo's recompile limit the blocks run eager without their swaps, and one warning says so (gradients exact)."""
+    ref = _reference("aot_eager")
+    model, batch = _fresh()
+    _blocks(model)
+    caplog.set_level(logging.WARNING)
+    decisions = {"layers.0.attention.flash_attention": "swap", "layers.1.feed_forward.w1.matmul": "swap"}
+    with torch._dynamo.config.patch(recompile_limit=2), optimize(model, plan=_plan(decisions)):
+        _assert_equal(_step(model, model, batch), ref)
+    assert _warnings(caplog) == [
+        "adaptive_mem: op-level swaps of 2 distinct layer patterns (from layers.1) need 3 block graphs, over "
+        "torch._dynamo.config.recompile_limit=2: blocks past it run eager without their op-level swaps; swap whole "
+        "layers, use fewer patterns, compile the whole model, or raise the limit"]

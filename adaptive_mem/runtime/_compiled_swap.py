@@ -64,6 +64,7 @@ class CompiledBlocks:
         """Layers holding op-level swaps: compiled, their block graphs swap (Note: [op-level swap in a block])."""
         self._codes: dict[tuple, Any] = {}
         self._warned = False
+        self._limit_warned = False
 
     def _whole_swap_layers(self) -> dict[int, int]:
         """Layers the plan swaps as a whole -> their backward prefetch; a whole-layer recompute with its input
@@ -147,6 +148,7 @@ class CompiledBlocks:
         sig = self._signature(i)
         if sig not in self._codes:
             self._codes[sig] = template.__code__.replace(co_name=f"forward_swaps_{len(self._codes)}")
+            self._check_limit(i)
         self.ctx.set_forward(i, types.FunctionType(self._codes[sig], template.__globals__, None, None,
                                                    template.__closure__))
 
@@ -211,6 +213,19 @@ class CompiledBlocks:
                 return t
             return ctx.engine.offload(t, label=label, layer=i, prefetch=prefetch)
         return pack
+
+    def _check_limit(self, i: int) -> None:
+        """One warning when the block graphs (the shared one and one per swap signature) pass dynamo's recompile
+        limit: dynamo runs the blocks past it eager, where their op-level swaps are not made (gradients unchanged)."""
+        import torch._dynamo.config as dynamo_config
+
+        limit = int(getattr(dynamo_config, "recompile_limit", getattr(dynamo_config, "cache_size_limit", 8)))
+        if len(self._codes) + 1 > limit and not self._limit_warned:
+            self._limit_warned = True
+            log.warning("adaptive_mem: op-level swaps of %d distinct layer patterns (from %s) need %d block graphs, "
+                        "over torch._dynamo.config.recompile_limit=%d: blocks past it run eager without their "
+                        "op-level swaps; swap whole layers, use fewer patterns, compile the whole model, or raise "
+                        "the limit", len(self._codes), self.ctx.res.layers.layer_path(i), len(self._codes) + 1, limit)
 
     def _warn_mode(self, i: int) -> None:
         if not self._warned:
