@@ -1,6 +1,6 @@
 """Compile in the bench: ``compile`` runs inductor by default (``--compile-backend``), ``ours-milp+compile`` (planned on
-the profile of the model compiled per block, applied, the whole model compiled unless the plan swaps) and its rows
-matched to compile's peaks."""
+the profile of the model compiled per block, applied, the whole model compiled) and its rows matched to compile's
+peaks."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_ours_with_compile_runs_at_compiles_measured_peak(bench_dir):
     assert compile_run["info"]["backend"] == ours["info"]["backend"] == matched["info"]["backend"] == "aot_eager"
     assert "aot_eager" in compile_run["label"] and "aot_eager" in matched["label"]
     # Note: [whole-model offset]: searched at compile's measured peak + (the per-block keep-all prediction -
-    # compile@1.0's measured peak); the plan has no swaps, so it runs whole-model and is predicted in those terms
+    # compile@1.0's measured peak); the plan runs whole-model and is predicted in those terms
     assert matched["match_peak_bytes"] == compile_run["repeats"][0]["peak_bytes"]
     offset = matched["whole_model_offset_bytes"]
     assert matched["planned_for"] == "whole-model" and offset > 0
@@ -71,14 +71,18 @@ def test_bad_compile_backend_is_one_line_and_exit_2(tmp_path, capsys, command):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
-    """Note: [matched at no more memory], with a fake worker: 110 over a 100 target, then 98."""
+def _fit(peaks: list[int], *, infeasible: bool = False) -> tuple[list, list, list, object]:
+    """``_fit_matched`` on one row matched to a 100-byte peak (budget 102), with a fake worker measuring ``peaks``
+    in turn and a fake search answering ``limit - 5`` (or finding nothing): rows, measured, limits asked, bar."""
+    from search import InfeasibleBudgetError
+
     config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
-    peaks = iter([110, 98])
-    asked = []
+    runs, asked = iter(peaks), []
 
     class Ctx:
         def predict(self, solver, name, *, budget, limit, tag):
+            if infeasible:
+                raise InfeasibleBudgetError("milp: no plan in its space fits")
             asked.append(limit)
             return {"predicted_peak_bytes": limit - 5, "plan": f"plans/{tag}.yaml"}
 
@@ -93,9 +97,15 @@ def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
 
     def execute(todo):
         for k in todo:
-            measured[k].append({"status": "ok", "peak_bytes": next(peaks)})
+            measured[k].append({"status": "ok", "peak_bytes": next(runs)})
 
     _fit_matched(0, rows, measured, execute, config, Ctx(), bar)
+    return rows, measured, asked, bar
+
+
+def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
+    """Note: [matched at no more memory], with a fake worker: 110 over a 100 target, then 98."""
+    rows, measured, asked, bar = _fit([110, 98])
     assert asked == [int(102 * 100 / 110) - 1]
     assert rows[0][0]["budget_bytes"] == asked[0] and rows[0][0]["predicted_peak_bytes"] == asked[0] - 5
     assert measured == [[{"status": "ok", "peak_bytes": 98}]] and bar.total == 5
@@ -104,28 +114,7 @@ def test_a_matched_row_over_its_competitors_peak_is_searched_again_lower():
 def test_a_matched_row_no_plan_can_bring_lower_says_so():
     """Note: [matched at no more memory]: below full recompute's prediction milp finds nothing; the row keeps its
     run and says why it is over (the demo prints it)."""
-    from search import InfeasibleBudgetError
-
-    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
-
-    class Ctx:
-        def predict(self, solver, name, *, budget, limit, tag):
-            raise InfeasibleBudgetError("milp: no plan in its space fits")
-
-    class Bar:
-        total = 1
-
-        def refresh(self):
-            pass
-
-    row = {"policy": "ours-milp", "match": "full", "match_peak_bytes": 100, "budget_bytes": 102}
-    rows, measured = [(row, {"policy": "ours-milp"})], [[]]
-
-    def execute(todo):
-        for k in todo:
-            measured[k].append({"status": "ok", "peak_bytes": 104})
-
-    _fit_matched(0, rows, measured, execute, config, Ctx(), Bar())
+    rows, measured, _, _ = _fit([104], infeasible=True)
     assert rows[0][0]["over_match"] == "no plan of ours fits lower" and rows[0][1] == {"policy": "ours-milp"}
     assert measured == [[{"status": "ok", "peak_bytes": 104}]]
 
@@ -133,26 +122,6 @@ def test_a_matched_row_no_plan_can_bring_lower_says_so():
 def test_a_matched_row_over_after_every_try_keeps_its_closest_run():
     """Note: [matched at no more memory]: three runs all over the peak (104, 103, 110 B over 100): the second, the
     closest, is kept with its own plan and results."""
-    config = BenchConfig(spec="llama-tiny", budgets=(1.0,), policies=("ours-milp",), out=Path("unused"))
-    peaks = iter([104, 103, 110])
-
-    class Ctx:
-        def predict(self, solver, name, *, budget, limit, tag):
-            return {"predicted_peak_bytes": limit - 5, "plan": f"plans/{tag}.yaml"}
-
-    class Bar:
-        total = 3
-
-        def refresh(self):
-            pass
-
-    row = {"policy": "ours-milp", "match": "full", "match_peak_bytes": 100, "budget_bytes": 102}
-    rows, measured = [(row, {"policy": "ours-milp"})], [[]]
-
-    def execute(todo):
-        for k in todo:
-            measured[k].append({"status": "ok", "peak_bytes": next(peaks)})
-
-    _fit_matched(0, rows, measured, execute, config, Ctx(), Bar())
+    rows, measured, _, _ = _fit([104, 103, 110])
     assert measured == [[{"status": "ok", "peak_bytes": 103}]]
     assert rows[0][1]["plan"] == "plans/ours-milp-match-0-fit1.yaml"

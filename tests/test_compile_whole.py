@@ -3,7 +3,7 @@
 Note: [first forward outside dynamo] (adaptive_mem/runtime/_apply.py): a plan naming op-level units, applied
 without ``profile=``/``example_inputs=``, then ``torch.compile(model)``: 0 graph breaks, exact, and a bad name
 still refused at the first forward. Note: [ours + compile layout] (adaptive_mem/bench/_policy_compiled.py): the
-bench policy compiles the whole model for a plan without swaps, per block otherwise. Note: [whole-model offset]
+bench policy compiles the whole model for every plan, swaps included. Note: [whole-model offset]
 (adaptive_mem/bench/_compiled_match.py): matched rows are planned in whole-model terms.
 """
 

@@ -241,9 +241,6 @@ def test_random_swap_sets_stay_exact_and_swap_only_what_they_name(seed):
 
 
 def test_graph_ops_match_their_fake_implementations_and_move_bytes_off_the_device():
-    from adaptive_mem.runtime import _graph_ops  # noqa: F401  (registers the ops)
-    assert _graph_ops.offload is not None
-
     t = torch.randn(4, 6).t()  # dense, not contiguous: the host copy keeps its strides
     for op, args in ((torch.ops.adaptive_mem.offload.default, (t, "k")),
                      (torch.ops.adaptive_mem.reload.default, (t, "k", torch.device("cpu"), []))):
@@ -272,3 +269,25 @@ def test_blocks_compiled_on_their_own_swap_through_their_hooks_only():
     finally:
         handle.remove()
     assert stats.offloads == 0 and engine_bytes > 0
+
+
+def test_a_second_plan_on_the_same_compiled_model_gets_a_graph_of_its_own():
+    """``_two_way``'s code object is one per plan (``with_code``): after plan A is removed, plan B on the same
+    compiled model is compiled anew with B's swaps, never served A's graph."""
+    batch = _bundle().batch(seed=0)
+    model, call, first = _planned({"layers.0": {"action": "swap", "backward_prefetch": 1}}, "aot_eager", "after")
+    compiled_step(model, call, batch)
+    first.remove()
+    second = optimize(model, plan=_plan(OP))
+    try:
+        with graph_swap_stats() as stats:
+            got = compiled_step(model, call, batch)
+        swaps = list(_graph_plan(second).swaps)
+    finally:
+        second.remove()
+    assert {s.key.partition("@")[0] for s in swaps} == {"layers.1.feed_forward.w1.matmul",
+                                                      "layers.0.attention.flash_attention"}
+    assert stats.offloads == len(swaps)
+    ref = _reference("aot_eager", batch)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)

@@ -12,7 +12,7 @@ import pytest
 import adaptive_mem as am
 from adaptive_mem import _estimate as est
 
-pytest.importorskip("transformers")
+pytest.importorskip("transformers", reason="Hugging Face models need transformers (the [test] extra installs it)")
 
 
 def _config(spec: str, **model_args):

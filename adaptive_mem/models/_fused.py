@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["FusedRMSNorm", "FusedRMSNormFunction", "SwiGLU", "SwiGLUFunction"]
+__all__ = ["FusedRMSNormFunction", "SwiGLU", "SwiGLUFunction"]
 
 
 class FusedRMSNormFunction(torch.autograd.Function):
@@ -77,20 +77,6 @@ class SwiGLUFunction(torch.autograd.Function):
         grad_up = grad * F.silu(gate)
         grad_gate = torch.ops.aten.silu_backward(grad * up, gate)
         return grad_gate, grad_up
-
-
-class FusedRMSNorm(nn.Module):
-    """RMSNorm through :class:`FusedRMSNormFunction`; the same parameter and unit name as the unfused norm."""
-
-    unit_label = "norm"
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return FusedRMSNormFunction.apply(x, self.weight, self.eps)
 
 
 class SwiGLU(nn.Module):

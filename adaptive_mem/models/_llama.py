@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ._fused import FusedRMSNorm, SwiGLU
+from ._fused import FusedRMSNormFunction, SwiGLU
 
 __all__ = ["LlamaConfig", "LlamaModel"]
 
@@ -86,19 +86,24 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
+    """``F.rms_norm``, or with ``fused`` :class:`FusedRMSNormFunction` (the same parameter and unit name)."""
+
     unit_label = "norm"
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, *, fused: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.fused = fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return FusedRMSNormFunction.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def _norm(config: LlamaConfig) -> nn.Module:
-    return (FusedRMSNorm if config.fused_norm else RMSNorm)(config.hidden_size, config.rms_norm_eps)
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, fused=config.fused_norm)
 
 
 class SiLU(nn.Module):

@@ -30,7 +30,32 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from profiler.naming import UnitNamer, is_view_op, join, op_label
 
-__all__ = ["CompiledSacPolicy", "compiled_sac_context"]
+__all__ = ["CompiledSacPolicy", "compiled_sac_context", "stack_frames", "stack_unit"]
+
+
+def stack_frames(stack: dict | None) -> list[tuple[str, int]]:
+    """``(call key, module id)`` of each module of an ``nn_module_stack`` (keys ``str(id)`` with ``@n`` for the
+    (n+1)-th call), outermost first."""
+    out = []
+    for key in stack or {}:
+        mid = key.partition("@")[0]
+        if mid.isdigit():
+            out.append((key, int(mid)))
+    return out
+
+
+def stack_unit(namer: UnitNamer, func: Any, frames: list[tuple[str, int]], counts: dict[tuple[str, str], int],
+               default_path: str) -> str:
+    """The unit of op ``func`` run under ``frames`` (only the modules the namer names), by the eager namer's rules
+    (Note: [compiled SAC names]); ``counts`` carries the op ordinals per module call across calls."""
+    for _, mid in frames:
+        if mid in namer.leaves:
+            return join(namer.paths[mid], namer.labels[mid])
+    call, path = (frames[-1][0], namer.paths[frames[-1][1]]) if frames else ("", default_path)
+    label = op_label(func)
+    seen = counts.get((call, label), 0)
+    counts[call, label] = seen + 1
+    return join(path, label if seen == 0 else f"{label}_{seen}")
 
 
 class CompiledSacPolicy:
@@ -39,7 +64,7 @@ class CompiledSacPolicy:
     def __init__(self, *, namer: UnitNamer, layer: nn.Module, action: Callable[[str], str]) -> None:
         self.namer = namer
         self.layer_path = namer.paths[id(layer)]
-        self.inside = {str(id(m)) for m in layer.modules() if m is not layer and id(m) in namer.paths}
+        self.inside = {id(m) for m in layer.modules() if m is not layer and id(m) in namer.paths}
         self.action = action
         self.counts: dict[tuple[str, str], int] = {}
         self.names: list[str] = []
@@ -48,16 +73,8 @@ class CompiledSacPolicy:
         if is_view_op(func):
             return None
         meta = fx_traceback.get_current_meta() or {}
-        frames = [(key, key.partition("@")[0]) for key in (meta.get("nn_module_stack") or {})]
-        frames = [(key, mid) for key, mid in frames if mid in self.inside]
-        for _, mid in frames:
-            if int(mid) in self.namer.leaves:
-                return join(self.namer.paths[int(mid)], self.namer.labels[int(mid)])
-        call, path = (frames[-1][0], self.namer.paths[int(frames[-1][1])]) if frames else ("", self.layer_path)
-        label = op_label(func)
-        seen = self.counts.get((call, label), 0)
-        self.counts[call, label] = seen + 1
-        return join(path, label if seen == 0 else f"{label}_{seen}")
+        frames = [(key, mid) for key, mid in stack_frames(meta.get("nn_module_stack")) if mid in self.inside]
+        return stack_unit(self.namer, func, frames, self.counts, self.layer_path)
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         unit = self.unit(func)

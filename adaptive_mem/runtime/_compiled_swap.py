@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import types
 import weakref
 from typing import Any, Callable
 
@@ -35,6 +34,7 @@ from torch.utils._pytree import tree_flatten
 from profiler.naming import is_compile_wrapper
 from search import Action
 
+from ._op_level import fresh_code, with_code
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
@@ -144,13 +144,12 @@ class CompiledBlocks:
         no other layer). Blocks of one signature share its graph, which is right: their decisions are the same."""
         if "forward" in self.ctx.layers[i].__dict__:
             return
-        template = _own_forward(self.ctx.orig(i))
+        own = _own_forward(self.ctx.orig(i))
         sig = self._signature(i)
         if sig not in self._codes:
-            self._codes[sig] = template.__code__.replace(co_name=f"forward_swaps_{len(self._codes)}")
+            self._codes[sig] = fresh_code(own)
             self._check_limit(i)
-        self.ctx.set_forward(i, types.FunctionType(self._codes[sig], template.__globals__, None, None,
-                                                   template.__closure__))
+        self.ctx.set_forward(i, with_code(own, self._codes[sig]))
 
     def remove(self) -> None:
         for module, name, had, old, wrapper in reversed(self.attrs):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -55,8 +56,9 @@ def graph_swap_stats() -> Iterator[GraphSwapStats]:
         _local.stats = previous
 
 
-_sinks: dict[str, GraphSwapStats] = {}
-"""Per key suffix (``<unit>@<owner>``): the stats of the plan whose graphs carry those keys."""
+_sinks: weakref.WeakValueDictionary[str, object] = weakref.WeakValueDictionary()
+"""Per key suffix (``<unit>@<owner>``): the stats of the plan whose graphs carry those keys (weak: they go with
+their engine)."""
 
 
 def count_into(owner: str, stats: object | None) -> None:

@@ -22,26 +22,16 @@ import torch._functorch._activation_offloading.activation_offloading as _offload
 import torch._functorch.config as functorch_config
 from torch import fx
 
-from profiler.naming import is_view_op, join, op_label
+from profiler.naming import is_view_op
 from search import Action
 
+from ._compiled_sac import stack_frames, stack_unit
 from ._graph_ops import count_into
 from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps, is_view_node
 from ._plan_context import PlanContext
 from ._resolve import decide
 
 __all__ = ["GraphPlan", "activate", "deactivate"]
-
-
-def _stack_ids(node: fx.Node, key: str) -> list[tuple[str, int]]:
-    """``(call key, module id)`` of each module of the node's stack ``key``, outermost first."""
-    stack = node.meta.get(key) or {}
-    out = []
-    for k in stack:
-        mid = k.partition("@")[0]
-        if mid.isdigit():
-            out.append((k, int(mid)))
-    return out
 
 
 def _base(node: fx.Node) -> fx.Node:
@@ -61,9 +51,6 @@ class GraphPlan:
         self.op_swap = set(op_swap)
         self.namer = ctx.namer
         self.layer_of = {id(m): i for i, layer in enumerate(ctx.layers) for m in layer.modules()}
-        self.layer_ids = {id(layer): i for i, layer in enumerate(ctx.layers)}
-        self.named: set[str] = set()
-        """Unit names met in the graphs (tests, and the warning about swap units no graph has)."""
         self.owner = f"{id(self):x}"
         """The suffix of this plan's op keys (``<unit>@<owner>``): their bytes count into its engine's stats."""
         self.swaps: list[GraphSwap] = []
@@ -76,7 +63,7 @@ class GraphPlan:
         [swap around compiled blocks])."""
         paths, layers = self.namer.paths, set()
         for node in graph.nodes:
-            for _, mid in _stack_ids(node, "nn_module_stack"):
+            for _, mid in stack_frames(node.meta.get("nn_module_stack")):
                 if mid in paths:
                     layers.add(self.layer_of.get(mid))
         return bool(layers) and (None in layers or len(layers) > 1 or layers <= self.op_swap)
@@ -88,21 +75,12 @@ class GraphPlan:
             if (node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward"
                     or not hasattr(node.target, "overloadpacket") or is_view_op(node.target)):
                 continue
-            frames = [(k, mid) for k, mid in _stack_ids(node, "nn_module_stack") if mid in namer.paths]
-            leaf = next((mid for _, mid in frames if mid in namer.leaves), None)
-            if leaf is not None:
-                out[node] = join(namer.paths[leaf], namer.labels[leaf])
-                continue
-            call, path = (frames[-1][0], namer.paths[frames[-1][1]]) if frames else ("", "")
-            label = op_label(node.target)
-            seen = counts.get((call, label), 0)
-            counts[call, label] = seen + 1
-            out[node] = join(path, label if seen == 0 else f"{label}_{seen}")
+            frames = [(k, mid) for k, mid in stack_frames(node.meta.get("nn_module_stack")) if mid in namer.paths]
+            out[node] = stack_unit(namer, node.target, frames, counts, "")
         for node in graph.nodes:  # a view or a tuple item is its base's: the op that made the storage
             base = _base(node)
             if base is not node and base in out:
                 out[node] = out[base]
-        self.named.update(out.values())
         return out
 
     def anchors(self, bw: fx.Graph) -> Callable[[int], fx.Node | None]:
@@ -116,7 +94,7 @@ class GraphPlan:
                 start = node
             if start is None:
                 continue
-            layer = next((self.layer_of[mid] for _, mid in _stack_ids(node, "fwd_nn_module_stack")
+            layer = next((self.layer_of[mid] for _, mid in stack_frames(node.meta.get("fwd_nn_module_stack"))
                           if mid in self.layer_of), None)
             if layer is not None:
                 first.setdefault(layer, node)

@@ -25,9 +25,7 @@ from typing import Callable
 import torch
 from torch import fx
 
-from . import _graph_ops  # noqa: F401  (registers the ops)
-
-_OPS = _graph_ops  # the ops this pass inserts are registered by importing it
+from . import _graph_ops  # noqa: F401  (registers the ops this pass inserts)
 
 __all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "is_view_node", "view_base"]
 

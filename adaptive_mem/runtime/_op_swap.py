@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten
 from profiler.naming import is_compile_wrapper
 from search import Action
 
-from ._op_level import eager_only, outside_dynamo
+from ._op_level import eager_only, outside_dynamo, with_code
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._swap_engine import Packed, backs_parameter, local_shard, no_cycle
@@ -67,15 +67,16 @@ class OpSwaps:
         self.swap_layers = {i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP}
         self.pushed: list[tuple[Any, ...] | None] = []
         self.graph_mode = is_compile_wrapper(ctx.model)
-        """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [partitioner hook]), no hook does."""
+        """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [partitioner hook]); no root hooks."""
 
     def install(self, track: Callable[..., None]) -> None:
         """The hooks on the model and its layers, and the model's forward outside dynamo; ``track(layer, handle,
         on_layer=True)`` tells the compiled blocks of each layer hook (Note: [swap around compiled blocks])."""
         ctx = self.ctx
         model = ctx.model
-        ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
-        ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
+        if not self.graph_mode:
+            ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
+            ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
         for i, layer in enumerate(ctx.layers):
             pre, post = (eager_only(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
@@ -96,8 +97,6 @@ class OpSwaps:
 
     # ================================================================== hooks
     def _root_pre(self, module: nn.Module, args: Any) -> None:
-        if self.graph_mode:
-            return
         if not self.pushed:
             self.ctx.engine.begin_forward()
             self.producer.clear()
@@ -106,8 +105,6 @@ class OpSwaps:
         self.push()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.graph_mode:
-            return
         self.pop()
         if self.pushed:
             return
@@ -186,16 +183,16 @@ class OpSwaps:
 def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
     """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
     [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
-    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``_graph_plan.py``). A new
-    function object per plan, so dynamo compiles the planned model anew and the graph meets the pass."""
+    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``_graph_plan.py``). Its code object
+    is one per plan (:func:`with_code`): dynamo compiles the planned model anew, never serving the graph of an
+    earlier plan, and the graph meets the pass."""
     eager = outside_dynamo(forward)
 
-    @functools.wraps(forward)
     def planned_forward(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return forward(*args, **kwargs)
         return eager(*args, **kwargs)
-    return planned_forward
+    return functools.wraps(forward)(with_code(planned_forward))
 
 
 def _outputs(output: Any) -> Any:
