@@ -7,9 +7,8 @@ fresh ``context_fn()`` and tags each aten op with the policy's answer, and the p
 dynamo (plain Python, once per traced body), so it may name ops freely: each op's
 ``torch.fx.traceback.get_current_meta()["nn_module_stack"]`` lists the modules running it, outermost
 first, keyed by ``str(id(module))`` with ``@n`` appended for the (n+1)-th call of a module in the body.
-The unit name follows ``UnitNamer``'s rules from that stack: the outermost leaf module of the layer
-gives ``<path>.<label>``; otherwise the innermost module of the layer (the layer itself when none)
-gives ``<path>.<op label>`` with ``_1``, ``_2``... counted per module call; view ops have no unit.
+The unit name follows ``UnitNamer``'s rules from that stack (Note: [graph unit names] in
+``profiler/_graph_names.py``), the layer itself naming ops of no inner module; view ops have no unit.
 Note: [compiled keep]: a kept unit is tagged ``PREFER_SAVE``, not ``MUST_SAVE``: the default partitioner
 (aot_eager) saves every ``MUST_SAVE`` output even when backward never reads it (llama-tiny, a per-op plan:
 314,820 saved bytes against 302,212 without a plan), while ``PREFER_SAVE`` leaves a kept output to the
@@ -28,34 +27,9 @@ import torch.fx.traceback as fx_traceback
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from profiler.naming import UnitNamer, is_view_op, join, op_label
+from profiler.naming import UnitNamer, is_view_op, stack_frames, stack_unit
 
-__all__ = ["CompiledSacPolicy", "compiled_sac_context", "stack_frames", "stack_unit"]
-
-
-def stack_frames(stack: dict | None) -> list[tuple[str, int]]:
-    """``(call key, module id)`` of each module of an ``nn_module_stack`` (keys ``str(id)`` with ``@n`` for the
-    (n+1)-th call), outermost first."""
-    out = []
-    for key in stack or {}:
-        mid = key.partition("@")[0]
-        if mid.isdigit():
-            out.append((key, int(mid)))
-    return out
-
-
-def stack_unit(namer: UnitNamer, func: Any, frames: list[tuple[str, int]], counts: dict[tuple[str, str], int],
-               default_path: str) -> str:
-    """The unit of op ``func`` run under ``frames`` (only the modules the namer names), by the eager namer's rules
-    (Note: [compiled SAC names]); ``counts`` carries the op ordinals per module call across calls."""
-    for _, mid in frames:
-        if mid in namer.leaves:
-            return join(namer.paths[mid], namer.labels[mid])
-    call, path = (frames[-1][0], namer.paths[frames[-1][1]]) if frames else ("", default_path)
-    label = op_label(func)
-    seen = counts.get((call, label), 0)
-    counts[call, label] = seen + 1
-    return join(path, label if seen == 0 else f"{label}_{seen}")
+__all__ = ["CompiledSacPolicy", "compiled_sac_context"]
 
 
 class CompiledSacPolicy:

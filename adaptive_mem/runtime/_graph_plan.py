@@ -3,10 +3,9 @@ and where each reload goes.
 
 Note: [graph swap names]. A saved value is swapped when the unit that produced it swaps (the eager path's
 rule: the op tracker records the producing unit of each storage). Its unit comes from the forward node's
-``nn_module_stack`` by the eager namer's rules, as the compiled selective-checkpoint policy names ops (Note:
-[compiled SAC names]): the outermost leaf module gives ``<path>.<label>``, else the innermost module gives
-``<path>.<op label>`` with ``_1``, ``_2``... counted per module call; a view, or an item of an op's tuple output,
-belongs to the unit of the op that made its storage. The reload's anchor is the first
+``nn_module_stack`` by the eager namer's rules (Note: [graph unit names] in ``profiler/_graph_names.py``), as
+the compiled selective-checkpoint policy names the ops it tags and the compiled profile the bytes it
+attributes. The reload's anchor is the first
 backward node of the layer the engine's trigger names (``min(layer + prefetch, num_layers)``; the number
 of layers is "backward begins": the first backward node), found from the backward nodes'
 ``fwd_nn_module_stack`` (Note: [graph swap placement] in ``_graph_swap.py``).
@@ -14,32 +13,21 @@ of layers is "backward begins": the first backward node), found from the backwar
 
 from __future__ import annotations
 
-import operator
 import weakref
 from typing import Callable
 
-import torch._functorch._activation_offloading.activation_offloading as _offloading
-import torch._functorch.config as functorch_config
 from torch import fx
 
-from profiler.naming import is_view_op
+from profiler.naming import graph_units, stack_frames
+from profiler.tracing import add_partition_observer, remove_partition_observer
 from search import Action
 
-from ._compiled_sac import stack_frames, stack_unit
 from ._graph_ops import count_into
-from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps, is_view_node
+from ._graph_swap import GraphSwap, SwapChoice, insert_graph_swaps
 from ._plan_context import PlanContext
 from ._resolve import decide
 
 __all__ = ["GraphPlan", "activate", "deactivate"]
-
-
-def _base(node: fx.Node) -> fx.Node:
-    """The node whose op made ``node``'s storage: through views and tuple items (``getitem``)."""
-    while node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) and (
-            node.target is operator.getitem or is_view_node(node)):
-        node = node.args[0]
-    return node
 
 
 class GraphPlan:
@@ -69,19 +57,8 @@ class GraphPlan:
         return bool(layers) and (None in layers or len(layers) > 1 or layers <= self.op_swap)
 
     def unit_names(self, graph: fx.Graph) -> dict[fx.Node, str]:
-        """The unit of each forward op node (Note: [graph swap names])."""
-        namer, counts, out = self.namer, {}, {}
-        for node in graph.nodes:
-            if (node.op != "call_function" or node.meta.get("partitioner_tag") == "is_backward"
-                    or not hasattr(node.target, "overloadpacket") or is_view_op(node.target)):
-                continue
-            frames = [(k, mid) for k, mid in stack_frames(node.meta.get("nn_module_stack")) if mid in namer.paths]
-            out[node] = stack_unit(namer, node.target, frames, counts, "")
-        for node in graph.nodes:  # a view or a tuple item is its base's: the op that made the storage
-            base = _base(node)
-            if base is not node and base in out:
-                out[node] = out[base]
-        return out
+        """The unit of each forward op node and of its views and items (Note: [graph swap names])."""
+        return graph_units(graph, self.namer)
 
     def anchors(self, bw: fx.Graph) -> Callable[[int], fx.Node | None]:
         """``anchor(trigger)`` on a backward graph: the first node of layer ``trigger``'s backward, or the first
@@ -121,54 +98,24 @@ class GraphPlan:
         return choose
 
 
-# Note: [partitioner hook]. While a plan with swaps is installed, the partitioners' activation-offloading step is
-# ours: both AOT autograd partitioners (the default and min-cut, so aot_eager and inductor) call
-# ``enable_activation_offloading`` on the forward and backward graphs they made when
-# ``torch._functorch.config.enable_activation_offloading`` is set, looking it up from its module at each call.
-# Ours hands the graphs to the installed plan whose model they run (``GraphPlan.owns``), which inserts its
-# offload/reload pairs, then calls PyTorch's, which offloads only what others marked ``should_offload``;
-# every other model's graphs pass through untouched. The partitioner decides what is saved as without a plan
-# (a swap unit's value it recomputes frees its bytes anyway), so a compiled profile measured without a plan
-# describes the graph the plan swaps in. AOT autograd's cache is off meanwhile: a graph compiled without the
-# pass must not be served from it. All is restored when the last plan is removed.
 _active: weakref.WeakSet[GraphPlan] = weakref.WeakSet()
 """The installed plans; weak, so a plan whose model is gone without ``remove()`` does not live on here."""
-_saved: dict[str, object] = {}
 
 
-def _owner(graph: fx.Graph) -> GraphPlan | None:
-    return next((plan for plan in list(_active) if plan.owns(graph)), None)
-
-
-def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
-                 *args: object, **kwargs: object) -> None:
-    plan = _owner(fw_module.graph)
+def _place(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int) -> None:
+    """The partition observer (Note: [partitioner hook] in ``profiler/_partitions.py``) while plans are installed:
+    the graphs of a planned model get its swaps; every other model's graphs pass through untouched."""
+    plan = next((p for p in list(_active) if p.owns(fw_module.graph)), None)
     if plan is not None:
         plan.swaps.extend(insert_graph_swaps(fw_module, bw_module, num_fwd_outputs, plan.chooser(fw_module.graph),
                                              plan.anchors(bw_module.graph)))
-    original = _saved["offloading"]
-    if not _active:  # every plan gone without remove(): the hook goes too
-        _restore()
-    original(fw_module, bw_module, num_fwd_outputs, *args, **kwargs)
-
-
-def _restore() -> None:
-    if _saved:
-        _offloading.enable_activation_offloading = _saved.pop("offloading")
-        for key, value in _saved.items():
-            setattr(functorch_config, key, value)
-        _saved.clear()
+    if not _active:  # every plan gone without remove(): the observer goes too
+        remove_partition_observer(_place)
 
 
 def activate(plan: GraphPlan) -> None:
     """Hand the graphs of ``plan``'s model to it (Note: [partitioner hook])."""
-    if not _saved:
-        _saved.update(enable_autograd_cache=functorch_config.enable_autograd_cache,
-                      enable_activation_offloading=functorch_config.enable_activation_offloading,
-                      offloading=_offloading.enable_activation_offloading)
-        functorch_config.enable_autograd_cache = False
-        functorch_config.enable_activation_offloading = True
-        _offloading.enable_activation_offloading = _partitioned
+    add_partition_observer(_place)
     _active.add(plan)
     count_into(plan.owner, plan.ctx.engine.stats if plan.ctx.engine is not None else None)
 
@@ -177,4 +124,4 @@ def deactivate(plan: GraphPlan) -> None:
     count_into(plan.owner, None)
     _active.discard(plan)
     if not _active:
-        _restore()
+        remove_partition_observer(_place)

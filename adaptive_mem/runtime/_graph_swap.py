@@ -25,9 +25,11 @@ from typing import Callable
 import torch
 from torch import fx
 
+from profiler.naming import is_view_node
+
 from . import _graph_ops  # noqa: F401  (registers the ops this pass inserts)
 
-__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "is_view_node", "view_base"]
+__all__ = ["GraphSwap", "SwapChoice", "insert_graph_swaps", "is_dense", "view_base"]
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,6 @@ class GraphSwap:
     offload: fx.Node
     reload: fx.Node
     nbytes: int
-
-
-def is_view_node(node: fx.Node) -> bool:
-    """An aten op whose output aliases an input (a view)."""
-    schema = getattr(node.target, "_schema", None)
-    return bool(schema is not None and any(r.alias_info is not None and not r.alias_info.is_write
-                                           for r in schema.returns))
 
 
 def _tensor_val(node: fx.Node) -> torch.Tensor | None:

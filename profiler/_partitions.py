@@ -1,0 +1,78 @@
+"""Observers of the graphs AOT autograd's partitioner makes: one hook, shared by whoever needs the graphs.
+
+Note: [partitioner hook]. Both AOT autograd partitioners (the default and min-cut, so aot_eager and inductor)
+call ``enable_activation_offloading`` on the forward and backward graphs they made when
+``torch._functorch.config.enable_activation_offloading`` is set, looking the function up from its module at
+each call. While an observer is registered, ours is there: it hands ``(fw_module, bw_module,
+num_fwd_outputs)`` to every observer in the order they came (an observer may rewrite the graphs: the graph
+swap pass inserts its offload/reload pairs), then calls PyTorch's, which offloads only what others marked
+``should_offload``. AOT autograd's cache is off meanwhile: a graph compiled without the observers must not be
+served from it, nor one they rewrote be served to a compile without them. All is restored when the last
+observer goes. Guarded by tests/test_graph_swap.py and tests/test_graph_names.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch._functorch._activation_offloading.activation_offloading as _offloading
+import torch._functorch.config as functorch_config
+from torch import fx
+
+__all__ = ["PartitionObserver", "add_partition_observer", "observe_partitions", "remove_partition_observer"]
+
+PartitionObserver = Callable[[fx.GraphModule, fx.GraphModule, int], None]
+"""``observer(fw_module, bw_module, num_fwd_outputs)``: called on each pair of partitioned graphs."""
+
+_observers: list[PartitionObserver] = []
+_saved: dict[str, object] = {}
+
+
+def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
+                 *args: object, **kwargs: object) -> None:
+    for observer in list(_observers):
+        observer(fw_module, bw_module, num_fwd_outputs)
+    original = _saved["offloading"]
+    if not _observers:
+        _restore()
+    original(fw_module, bw_module, num_fwd_outputs, *args, **kwargs)
+
+
+def _restore() -> None:
+    if _saved:
+        _offloading.enable_activation_offloading = _saved.pop("offloading")
+        for key, value in _saved.items():
+            setattr(functorch_config, key, value)
+        _saved.clear()
+
+
+def add_partition_observer(observer: PartitionObserver) -> None:
+    """Call ``observer`` on every pair of graphs partitioned from now on (Note: [partitioner hook])."""
+    if not _saved:
+        _saved.update(enable_autograd_cache=functorch_config.enable_autograd_cache,
+                      enable_activation_offloading=functorch_config.enable_activation_offloading,
+                      offloading=_offloading.enable_activation_offloading)
+        functorch_config.enable_autograd_cache = False
+        functorch_config.enable_activation_offloading = True
+        _offloading.enable_activation_offloading = _partitioned
+    if observer not in _observers:
+        _observers.append(observer)
+
+
+def remove_partition_observer(observer: PartitionObserver) -> None:
+    """Stop calling ``observer``; the hook goes with the last one."""
+    if observer in _observers:
+        _observers.remove(observer)
+    if not _observers:
+        _restore()
+
+
+@contextlib.contextmanager
+def observe_partitions(observer: PartitionObserver) -> Iterator[None]:
+    """``observer`` registered inside the block."""
+    add_partition_observer(observer)
+    try:
+        yield
+    finally:
+        remove_partition_observer(observer)
