@@ -9,8 +9,10 @@ each storage is counted once per block call. Gradient hooks on the block's input
 backward; wall time around the call times its forward.
 
 Three variants of every block, interleaved step by step: ``eager``, ``keep`` (compiled) and ``full``
-(compiled around ``torch.utils.checkpoint``: full recompute). :func:`apply_compiled` rewrites a profile's
-per-op figures into the compiled model's (Note: [compiled profile]).
+(compiled around ``torch.utils.checkpoint``: full recompute). While ``keep`` compiles, a partition observer
+(Note: [partitioner hook]) reads what each block's forward graph saves per unit (Note: [graph unit names]):
+``units`` of a layer's row, names relative to the layer. :func:`apply_compiled` rewrites a profile's per-op
+figures into the compiled model's (Note: [compiled profile]).
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ import time
 from typing import Any, Callable
 
 import torch
+
+from ._graph_names import saved_unit_bytes
+from ._partitions import observe_partitions
+from ._units import UnitNamer
 
 __all__ = ["VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_compiled", "measure_compiled"]
 
@@ -76,8 +82,8 @@ def _stamp(times: list[float], sync: Callable[[], None]) -> Callable[[torch.Tens
     return hook
 
 
-def _probe(forwards: dict[str, Callable], block: _Block, state: dict[str, str], static: set[int],
-           sync: Callable[[], None]) -> Callable:
+def _probe(forwards: dict[str, Callable], block: _Block, state: dict[str, Any], static: set[int],
+           sync: Callable[[], None], index: int) -> Callable:
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         if storage.data_ptr() not in static:
@@ -92,6 +98,7 @@ def _probe(forwards: dict[str, Callable], block: _Block, state: dict[str, str], 
         if first is not None and first.requires_grad:
             first.register_hook(_stamp(block.t_in, sync))
         seen.clear()
+        state["block"] = index
         sync()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -124,8 +131,9 @@ def measure_compiled(model: torch.nn.Module, loss: Callable[[], torch.Tensor], l
     accel = device.type not in ("cpu", "meta")
     sync = torch.accelerator.synchronize if accel else (lambda: None)  # unverified on GPU
     static = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    state = {"variant": "eager"}
+    state: dict[str, Any] = {"variant": "eager", "block": None}
     blocks = [_Block() for _ in layers]
+    tables: list[dict[str, int] | None] = []
     saved_attrs = [layer.__dict__.get("forward") for layer in layers]
     step_times: list[float] = []
 
@@ -144,9 +152,11 @@ def measure_compiled(model: torch.nn.Module, loss: Callable[[], torch.Tensor], l
 
     try:
         for layer, block in zip(layers, blocks):
-            layer.forward = _probe(_variants(layer.forward, backend), block, state, static, sync)
-        for variant in VARIANTS[1:]:  # compiles; not counted
-            step(variant)
+            layer.forward = _probe(_variants(layer.forward, backend), block, state, static, sync, len(tables))
+            tables.append(None)
+        with observe_partitions(_attribute(model, layers, state, tables)):
+            for variant in VARIANTS[1:]:  # compiles; not counted
+                step(variant)
         for block in blocks:
             block.rows = {v: [] for v in VARIANTS}
         for _ in range(max(1, repeat)):
@@ -162,8 +172,37 @@ def measure_compiled(model: torch.nn.Module, loss: Callable[[], torch.Tensor], l
                 layer.forward = attr
         for p in model.parameters():
             p.grad = None
+    units = _per_layer(tables)
     return {"backend": backend, "layout": "per-block", "step_time": float(statistics.median(step_times)),
-            "layers": [{"layer": i, **{v: b.medians(v) for v in VARIANTS}} for i, b in enumerate(blocks)]}
+            "layers": [{"layer": i, **{v: b.medians(v) for v in VARIANTS}, **({"units": units[i]} if units[i] is not None
+                                                                           else {})} for i, b in enumerate(blocks)]}
+
+
+def _attribute(model: torch.nn.Module, layers: list[torch.nn.Module], state: dict[str, Any],
+               tables: list[dict[str, int] | None]) -> Callable:
+    """The partition observer of :func:`measure_compiled`: the saved bytes per unit of the ``keep`` graph of the
+    block being called, names relative to its layer (Note: [graph unit names])."""
+    namer = UnitNamer(model)
+
+    def observe(fw_module: Any, bw_module: Any, num_fwd_outputs: int) -> None:
+        i = state["block"]
+        if state["variant"] != "keep" or i is None or tables[i] is not None:
+            return
+        inside = {id(m) for m in layers[i].modules() if id(m) in namer.paths}
+        path = namer.paths[id(layers[i])]
+        saved = saved_unit_bytes(fw_module, num_fwd_outputs, namer, lambda mid: mid in inside, default_path=path)
+        tables[i] = {name[len(path) + 1:]: n for name, n in saved.items() if name.startswith(path + ".")}
+    return observe
+
+
+def _per_layer(tables: list[dict[str, int] | None]) -> list[dict[str, int] | None]:
+    """Each block's table; a block whose call reused another's compiled graph (dynamo compiles a block's code
+    once for identical blocks) takes the table of the last block compiled before it."""
+    out, last = [], None
+    for table in tables:
+        last = table if table is not None else last
+        out.append(last)
+    return out
 
 
 def _rescale(ops: list, indices: list[int], key: str, target: float, integer: bool) -> None:
@@ -191,11 +230,13 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
 
     Note: [compiled profile] per block, the units whose outputs stay inside the block get the compiled
     block's saved bytes (eager saved bytes of those units + compiled ``keep`` - eager, both measured by the
-    same pack hook), spread over their ops in proportion; the block's output (read by the next block, an
-    input the partitioner cannot drop) keeps its figure. Op forward and backward times are scaled so the
-    block sums to the compiled block's measured times. ``peak_memory`` moves by the change in saved bytes
-    (the transient of the step is the eager one), ``step_time`` is the compiled step's. The measured
-    figures stay under ``compiled``. Guarded by ``tests/test_profile_compiled.py``.
+    same pack hook). With the row's ``units`` (what the block's partitioned forward graph saves per unit), each
+    such unit gets its share of the graph's bytes (a unit the graph saves nothing of gets none), scaled to the
+    measured total; without, the total is spread over their ops in proportion. The block's output (read by
+    the next block, an input the partitioner cannot drop) keeps its figure. Op forward and backward times are
+    scaled so the block sums to the compiled block's measured times. ``peak_memory`` moves by the change in
+    saved bytes (the transient of the step is the eager one), ``step_time`` is the compiled step's. The
+    measured figures stay under ``compiled``. Guarded by ``tests/test_profile_compiled.py``.
     """
     ops = list(profile.ops)
     layer_of = {u.name: u.layer for u in profile.units}
@@ -203,10 +244,12 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
     for row in figures["layers"]:
         i = row["layer"]
         units = [u for u in profile.units if u.layer == i]
-        internal = [oi for u in units if all(layer_of.get(c) == i for c in u.consumers) for oi in u.ops]
+        inner = [u for u in units if all(layer_of.get(c) == i for c in u.consumers)]
+        internal = [oi for u in inner for oi in u.ops]
         every = [oi for u in units for oi in u.ops]
         delta = row["keep"]["saved_bytes"] - row["eager"]["saved_bytes"]
         before = sum(ops[oi].saved_bytes for oi in internal)
+        _attribute_units(ops, inner, row.get("units"), profile.layer_path(i))
         _rescale(ops, internal, "saved_bytes", before + delta, integer=True)
         delta_total += sum(ops[oi].saved_bytes for oi in internal) - before
         _rescale(ops, every, "fwd_time", row["keep"]["fwd_time"], integer=False)
@@ -217,6 +260,18 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
     compiled = {**figures, "eager_step_time": profile.step_time}
     return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
                                step_time=figures["step_time"], compiled=compiled)
+
+
+def _attribute_units(ops: list, inner: list, table: dict[str, int] | None, path: str) -> None:
+    """Each unit of ``inner`` given the bytes ``table`` (names relative to the layer at ``path``) holds for it, on
+    its ops in proportion; nothing when no unit is named there (the proportional spread stays)."""
+    if not table:
+        return
+    names = {u.name: u for u in inner}
+    if not any(names.get(f"{path}.{rel}") is not None and n > 0 for rel, n in table.items()):
+        return
+    for u in inner:
+        _rescale(ops, list(u.ops), "saved_bytes", table.get(u.name[len(path) + 1:], 0), integer=True)
 
 
 def check_compiled(value: Any, error: type[ValueError]) -> None:
@@ -241,8 +296,18 @@ def check_compiled(value: Any, error: type[ValueError]) -> None:
                 raise error(f"{where}.layers[{i}].{variant}={fig!r:.40}: expected an object with keys "
                             f"{', '.join(_FIGURES)}")
             numbers += [(f"{where}.layers[{i}].{variant}.{k}", fig[k]) for k in _FIGURES]
+        numbers += _unit_numbers(f"{where}.layers[{i}].units", row.get("units"), error)
     for name, number in numbers:
         if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
             raise error(f"{name}={number!r}: expected a number, finite and >= 0")
-        if name.endswith("saved_bytes") and not isinstance(number, int):
+        if (name.endswith("saved_bytes") or ".units." in name) and not isinstance(number, int):
             raise error(f"{name}={number!r}: expected int")
+
+
+def _unit_numbers(where: str, table: Any, error: type[ValueError]) -> list[tuple[str, Any]]:
+    """The numbers of a row's optional ``units`` table (unit name relative to the layer -> saved bytes)."""
+    if table is None:
+        return []
+    if not isinstance(table, dict) or not all(isinstance(k, str) and k for k in table):
+        raise error(f"{where}={table!r:.40}: expected an object of unit names to saved bytes")
+    return [(f"{where}.{k}", v) for k, v in table.items()]

@@ -64,10 +64,11 @@ def storage_base(node: fx.Node, items: bool = True) -> fx.Node:
     return node
 
 
-def graph_units(graph: fx.Graph, namer: UnitNamer,
-                keep: Callable[[int], bool] | None = None) -> dict[fx.Node, str]:
+def graph_units(graph: fx.Graph, namer: UnitNamer, keep: Callable[[int], bool] | None = None,
+                default_path: str = "") -> dict[fx.Node, str]:
     """The unit of each forward op node of ``graph`` and of the views and items of those (Note: [graph unit
-    names]); ``keep(module id)``: the modules that name units (default: every module the namer names)."""
+    names]); ``keep(module id)``: the modules that name units (default: every module the namer names);
+    ``default_path``: the path naming ops under none of them."""
     keep = keep or (lambda mid: mid in namer.paths)
     counts: dict[tuple[str, str], int] = {}
     out: dict[fx.Node, str] = {}
@@ -76,7 +77,7 @@ def graph_units(graph: fx.Graph, namer: UnitNamer,
                 or not hasattr(node.target, "overloadpacket") or is_view_op(node.target)):
             continue
         frames = [(k, mid) for k, mid in stack_frames(node.meta.get("nn_module_stack")) if keep(mid)]
-        out[node] = stack_unit(namer, node.target, frames, counts, "")
+        out[node] = stack_unit(namer, node.target, frames, counts, default_path)
     for node in graph.nodes:
         base = storage_base(node)
         if base is not node and base in out:
@@ -95,12 +96,12 @@ def _storage_bytes(node: fx.Node) -> int:
 
 
 def saved_unit_bytes(fw_module: fx.GraphModule, num_fwd_outputs: int, namer: UnitNamer,
-                     keep: Callable[[int], bool] | None = None) -> dict[str, int]:
+                     keep: Callable[[int], bool] | None = None, default_path: str = "") -> dict[str, int]:
     """The bytes a partitioned forward graph saves for backward, per unit (Note: [graph unit names]): each
     storage once, under the unit of the op that made it; inputs of the graph (parameters, the block's input)
     and values of no unit are left out."""
     graph = fw_module.graph
-    units = graph_units(graph, namer, keep)
+    units = graph_units(graph, namer, keep, default_path)
     outputs = list(graph.find_nodes(op="output")[0].args[0])[num_fwd_outputs:]
     out: dict[str, int] = {}
     seen: set[fx.Node] = set()

@@ -16,7 +16,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ._compiled_space import compiled_blocks, honoured, project
+from ._compiled_space import attributed, compiled_blocks, honoured, project
 from ._model import StepModel
 from ._plan import Action
 from ._simulator import Assignment, position_segment
@@ -260,14 +260,14 @@ def layer_menu(model: StepModel, p: int, *, prefetch: tuple[int, ...] = (0, 1, 2
                cache: dict | None = None, exact: bool = True) -> list[Option]:
     """The options of position ``p``; identical layers share one computation through ``cache``."""
     blocks = compiled_blocks(model)
-    key = (_signature(model, p), prefetch, limit, exact, blocks)
+    key = (_signature(model, p), prefetch, limit, exact, blocks, blocks and attributed(model))
     if cache is not None and key in cache:
         return cache[key]
     if exact and len(model.positions[p]) <= EXACT_UNITS:
         menu = _exact(model, p, prefetch)
     else:
         menu = _heuristic(model, p, prefetch, limit)
-    if blocks:  # Note: [compiled search space]: a layer swaps as a whole or not at all
+    if blocks:  # Note: [compiled search space]: no swap mixed with recompute in a layer
         menu = [o for o in menu if o.input_swap or honoured(model, p, o.acts)] + _whole_swaps(model, p, menu, prefetch)
     if cache is not None:
         cache[key] = menu

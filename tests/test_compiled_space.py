@@ -1,7 +1,9 @@
 """Note: [compiled search space] (search/_compiled_space.py): on a profile of the model compiled per block, a layer
-swaps as a whole or not at all. The milp finds the brute-force optimum of that space, every solver's plan lies in
-it, the plan names a whole-layer swap by the layer's path, and a searched plan runs compiled (no block falls back to
-eager), exact against the same compiled model without a plan."""
+mixes no swap with recompute, and without the graph's per-unit figures (``units``) swaps as a whole or not at all.
+The milp finds the brute-force optimum of either space, every solver's plan lies in it, the plan names a
+whole-layer swap by the layer's path, and a searched plan (op-level swaps included) runs compiled (no block falls
+back to eager), exact against the same compiled model without a plan, offloading the bytes the profile's graph
+figures name."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import profiler
 from adaptive_mem import build_model, optimize
 from search import Action, Problem, get_solver, simulate, solver_names
 from search.planning import resolve
-from search._compiled_space import compiled_blocks, honoured, project, whole_swap
+from search._compiled_space import attributed, compiled_blocks, honoured, project, whole_swap
 from search import StepModel
 from search._simulator import couple
 from search.planning import Assignment, simulate_assignment
@@ -36,8 +38,14 @@ FIGURES = {"backend": "aot_eager", "layout": "per-block", "step_time": 1.0, "eag
 K, R, S = Action.KEEP, Action.RECOMPUTE, Action.SWAP
 
 
-def _per_block(model: StepModel) -> StepModel:
-    return dataclasses.replace(model, profile=dataclasses.replace(model.profile, compiled=FIGURES))
+def _per_block(model: StepModel, units: bool = False) -> StepModel:
+    """``model`` as if profiled compiled per block; ``units``: with the graph's per-unit figures."""
+    figures = FIGURES
+    if units:
+        fig = {"saved_bytes": 0, "fwd_time": 0.0, "bwd_time": 0.0}
+        figures = {**FIGURES, "layers": [{"layer": i, "eager": fig, "keep": fig, "full": fig, "units": {}}
+                                         for i in range(model.num_layers)]}
+    return dataclasses.replace(model, profile=dataclasses.replace(model.profile, compiled=figures))
 
 
 def _layer_decisions(plan, path: str) -> dict:
@@ -48,16 +56,21 @@ def _assert_in_space(model: StepModel, plan) -> None:
     for layer in range(model.num_layers):
         path = model.profile.layer_path(layer)
         inside = _layer_decisions(plan, path)
-        if any(d.action is S for d in inside.values()):
+        if not any(d.action is S for d in inside.values()):
+            continue
+        if attributed(model):
+            assert not any(d.action is R for d in inside.values()), inside
+        else:
             assert list(inside) == [path] and inside[path].action is S, inside
 
 
+@pytest.mark.parametrize("units", [False, True], ids=["whole-layer", "units"])
 @pytest.mark.parametrize("chunk", range(3))
-def test_milp_equals_brute_force_of_the_compiled_space(chunk):
+def test_milp_equals_brute_force_of_the_compiled_space(chunk, units):
     solver = get_solver("milp", prefetch=PREFETCH)
     for seed in range(chunk * 20, (chunk + 1) * 20):
         eager, budget = _instance(seed)
-        model = _per_block(eager)
+        model = _per_block(eager, units)
         expected = brute_force(model, budget, space=lambda p, acts: honoured(model, p, acts))
         if expected is None:
             with pytest.raises(InfeasibleBudgetError):
@@ -69,25 +82,31 @@ def test_milp_equals_brute_force_of_the_compiled_space(chunk):
         assert simulate(model, result.plan).step_time == pytest.approx(result.cost.step_time), seed
 
 
-def test_the_space_is_smaller_than_eager_and_milp_pays_for_it_somewhere():
-    """The restriction bites: on some instance the eager space's optimum uses an op-level swap the compiled space
-    lacks (so the compiled optimum is slower), and never the other way round."""
-    slower = 0
+def test_the_spaces_nest_and_each_restriction_bites_somewhere():
+    """eager >= units >= whole-layer: on some instance the eager optimum mixes swaps with recompute in a layer,
+    which the compiled space lacks, and the units space's optimum an op-level swap the whole-layer space lacks; never
+    the other way round."""
+    slower, faster = 0, 0
     for seed in range(40):
         eager, budget = _instance(seed)
         free = brute_force(eager, budget)
-        bound = brute_force(_per_block(eager), budget, space=lambda p, acts, m=eager: honoured(_per_block(m), p, acts))
+        units = brute_force(_per_block(eager, True), budget,
+                            space=lambda p, acts, m=_per_block(eager, True): honoured(m, p, acts))
+        whole = brute_force(_per_block(eager), budget, space=lambda p, acts, m=_per_block(eager): honoured(m, p, acts))
         if free is None:
-            assert bound is None
+            assert units is None and whole is None
             continue
-        assert bound is None or bound >= free - 1e-12
-        slower += bound is None or bound > free + 1e-12
-    assert slower > 0
+        assert units is None or units >= free - 1e-12
+        assert whole is None or (units is not None and whole >= units - 1e-12)
+        slower += units is None or units > free + 1e-12
+        faster += units is not None and (whole is None or whole > units + 1e-12)
+    assert slower > 0 and faster > 0
 
 
-def test_every_solver_plans_inside_the_space():
+@pytest.mark.parametrize("units", [False, True], ids=["whole-layer", "units"])
+def test_every_solver_plans_inside_the_space(units):
     profile = random_profile(random.Random(7), num_layers=4, units_per_layer=5)
-    model = _per_block(StepModel.build(profile))
+    model = _per_block(StepModel.build(profile), units)
     keep = simulate_assignment(model, Assignment(tuple([K] * len(model.units)), tuple([1] * len(model.units))))
     swapped = 0
     for name in solver_names():
@@ -123,6 +142,11 @@ def test_project_swaps_a_layer_whole_or_recomputes_it_and_leaves_eager_profiles_
     assert [out.actions[i] for i in second] == [R] * len(second)
     assert project(eager, asg) is asg
     assert simulate_assignment(model, out).peak_bytes <= simulate_assignment(model, asg).peak_bytes
+    with_units = _per_block(eager, True)
+    assert attributed(with_units) and not attributed(model)
+    out = project(with_units, asg)  # the op-level swap stays, the mixed layer is recomputed whole
+    assert [out.actions[i] for i in first] == [asg.actions[i] for i in first]
+    assert [out.actions[i] for i in second] == [R] * len(second)
 
 
 def test_whole_layer_swap_round_trips_when_coupling_drops_the_layer_output():
@@ -144,17 +168,21 @@ def test_whole_layer_swap_round_trips_when_coupling_drops_the_layer_output():
 
 
 def test_a_searched_plan_runs_compiled_per_block_and_exact(caplog):
+    """A swap plan searched on the compiled profile (op-level: the graph's per-unit figures are read) runs compiled,
+    exact, and offloads per step what the profile's graph figures say its units save."""
     torch.set_num_threads(1)
     spec = dict(model_args={"num_layers": 2}, batch_size=2, seq_len=32, seed=0)
     bundle = build_model("llama-tiny", **spec)
     eager = profiler.profile_step(bundle, optimizer="adam", repeat=1, record=1)
     compiled = profiler.profile_compiled(bundle, eager, backend="aot_eager", repeat=1)
     model = StepModel.build(compiled)
-    swap_all = [S if u.position in model.layer_positions else K for u in model.units]
-    least = simulate_assignment(model, couple(model, Assignment(tuple(swap_all), tuple([1] * len(model.units)))))
-    result = get_solver("swap-only").solve(Problem(model, least.peak_bytes))
+    assert attributed(model)
+    keep = simulate_assignment(model, Assignment(tuple([K] * len(model.units)), tuple([1] * len(model.units))))
+    result = get_solver("swap-only").solve(Problem(model, keep.peak_bytes - 1))
     swaps = {t: d for t, d in result.plan.decisions.items() if d.action is S}
-    assert swaps and set(swaps) <= {"layers.0", "layers.1"}, result.plan.decisions
+    assert swaps and all(t.startswith(("layers.0.", "layers.1.")) for t in swaps), result.plan.decisions
+    tables = {row["layer"]: row["units"] for row in compiled.compiled["layers"]}
+    expected = sum(tables[int(t.split(".")[1])].get(t.split(".", 2)[2], 0) for t in swaps)
 
     def run(plan):
         torch._dynamo.reset()
@@ -173,7 +201,7 @@ def test_a_searched_plan_runs_compiled_per_block_and_exact(caplog):
     caplog.set_level(logging.WARNING)
     ref, _, _ = run(None)
     grads, breaks, stats = run(result.plan)
-    assert breaks == 0 and stats.offloaded_bytes > 0
+    assert breaks == 0 and expected > 0 and stats.offloaded_bytes == expected
     assert [r.getMessage() for r in caplog.records if r.name.startswith("adaptive_mem")] == []
     assert grads.keys() == ref.keys()
     for key in ref:

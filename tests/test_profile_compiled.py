@@ -53,6 +53,36 @@ def test_ops_are_rewritten_to_the_compiled_blocks(profiles):
     assert compiled.compiled["eager_step_time"] == eager.step_time
 
 
+def test_units_are_what_each_block_graph_saves(profiles):
+    """Note: [compiled profile] with the rows' ``units`` (Note: [graph unit names]): a unit the block's forward graph
+    saves nothing of gets no bytes (the residual add: the next norm saves its own; silu: recomputed from w1's output),
+    the others their share of the measured total in the graph's proportions; an older profile without ``units``
+    keeps the proportional spread."""
+    _, eager, compiled = profiles
+    for row in compiled.compiled["layers"]:
+        path = compiled.layer_path(row["layer"])
+        table = row["units"]
+        inner = {u.name[len(path) + 1:]: u for u in compiled.layer_units(row["layer"])
+                 if all(c.startswith(path + ".") for c in u.consumers)}
+        assert table and set(table) <= set(inner), (set(table) - set(inner))
+        assert inner["add"].saved_bytes == 0 and inner["feed_forward.w1.activation.silu"].saved_bytes == 0
+        assert eager.unit(f"{path}.add").saved_bytes > 0
+        for rel, u in inner.items():
+            assert (u.saved_bytes > 0) == (table.get(rel, 0) > 0), rel
+        total, graph = sum(u.saved_bytes for u in inner.values()), sum(table.values())
+        for rel, n in table.items():  # the graph's proportions, up to rounding
+            assert inner[rel].saved_bytes == pytest.approx(n * total / graph, rel=1e-3), rel
+    data = copy.deepcopy(compiled.to_dict())
+    for row in data["compiled"]["layers"]:
+        del row["units"]
+    older = Profile.from_dict(json.loads(json.dumps(data)))
+    assert all("units" not in row for row in older.compiled["layers"])
+    bare = copy.deepcopy(eager)
+    from profiler._compiled import apply_compiled
+    spread = apply_compiled(bare, older.compiled)
+    assert spread.saved_bytes == compiled.saved_bytes and spread.unit("layers.0.add").saved_bytes > 0
+
+
 def test_profiling_compiled_leaves_the_model_as_it_was(profiles):
     bundle, _, _ = profiles
     for layer in bundle.model.layers:
@@ -72,6 +102,9 @@ def test_compiled_profile_round_trips_and_eager_profiles_stay_version_1(tmp_path
     (("layers", 1, "full", "bwd_time"), float("nan"), "profile.compiled.layers[1].full.bwd_time=nan: expected"),
     (("step_time",), "fast", "profile.compiled.step_time='fast': expected"),
     (("layers", 0, "keep"), {"saved_bytes": 1}, "profile.compiled.layers[0].keep="),
+    (("layers", 0, "units"), {"feed_forward.mul": -1}, "profile.compiled.layers[0].units.feed_forward.mul=-1: expected"),
+    (("layers", 2, "units"), {"feed_forward.mul": 1.5}, "profile.compiled.layers[2].units.feed_forward.mul=1.5: expected int"),
+    (("layers", 1, "units"), ["mul"], "profile.compiled.layers[1].units=['mul']: expected an object of unit names"),
 ])
 def test_bad_compiled_figures_are_rejected_naming_the_key(profiles, path, value, message):
     data = copy.deepcopy(profiles[2].to_dict())
