@@ -275,7 +275,7 @@ def compiled_estimate(profile: Profile, *, backend: str = "inductor") -> Profile
 
 def _row(profile: Profile, ops: list[OpRecord], block: _Block) -> dict[str, Any]:
     """A block's figures in the form of a measured compiled profile's ``layers`` row (full recompute: the block's
-    saved inputs, its forward twice)."""
+    saved inputs, its forward twice; ``units``: the modelled partitioner's saved bytes per unit of the block)."""
     def figures(source: list[OpRecord]) -> dict[str, Any]:
         return {"saved_bytes": int(sum(source[i].saved_bytes for i in block.inside)),
                 "fwd_time": float(sum(source[i].fwd_time for i in block.inside)),
@@ -283,8 +283,11 @@ def _row(profile: Profile, ops: list[OpRecord], block: _Block) -> dict[str, Any]
     keep = figures(ops)
     inputs = int(sum(ops[p].saved_bytes for p in block.outside))
     full = {"saved_bytes": inputs, "fwd_time": keep["fwd_time"], "bwd_time": keep["fwd_time"] + keep["bwd_time"]}
-    return {"layer": profile.ops[block.inside[0]].layer if block.inside else 0, "eager": figures(profile.ops),
-            "keep": keep, "full": full}
+    layer = profile.ops[block.inside[0]].layer if block.inside else 0
+    inner = set(block.inside) - set(block.output)
+    units = {u.local_name: n for u in profile.layer_units(layer)
+             if (n := int(sum(ops[i].saved_bytes for i in u.ops if i in inner))) > 0}
+    return {"layer": layer, "eager": figures(profile.ops), "keep": keep, "full": full, "units": units}
 
 
 def _rebuilt(profile: Profile, ops: list[OpRecord], rows: list[dict[str, Any]], backend: str) -> Profile:
