@@ -26,15 +26,19 @@ from typing import Any, Callable
 
 import torch
 
+from ._compiled_whole import apply_whole
 from ._graph_names import saved_unit_bytes
-from ._partitions import observe_partitions
+from ._partitions import fresh_call, observe_partitions
 from ._units import UnitNamer
 
-__all__ = ["VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_compiled", "measure_compiled"]
+__all__ = ["LAYOUTS", "VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_compiled", "measure_compiled"]
 
 log = logging.getLogger(__name__)
 
 VARIANTS = ("eager", "keep", "full")
+LAYOUTS = ("per-block", "whole-model")
+"""How the profiled model is compiled: each block on its own, or the whole model (Note: [whole-model compiled
+profile])."""
 _FIGURES = ("saved_bytes", "fwd_time", "bwd_time")
 
 
@@ -118,8 +122,8 @@ def _variants(forward: Callable, backend: str) -> dict[str, Callable]:
 
     def full(*args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return {"eager": forward, "keep": torch.compile(forward, backend=backend),
-            "full": torch.compile(full, backend=backend)}
+    return {"eager": forward, "keep": torch.compile(fresh_call(forward), backend=backend),
+            "full": torch.compile(fresh_call(full), backend=backend)}
 
 
 def measure_compiled(model: torch.nn.Module, loss: Callable[[], torch.Tensor], layers: list[torch.nn.Module], *,
@@ -258,8 +262,9 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
                                  fwd_time=sum(ops[oi].fwd_time for oi in u.ops),
                                  bwd_time=sum(ops[oi].bwd_time for oi in u.ops)) for u in profile.units]
     compiled = {**figures, "eager_step_time": profile.step_time}
-    return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
-                               step_time=figures["step_time"], compiled=compiled)
+    out = dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
+                              step_time=figures["step_time"], compiled=compiled)
+    return apply_whole(out, figures["whole"]) if figures.get("whole") is not None else out
 
 
 def _attribute_units(ops: list, inner: list, table: dict[str, int] | None, path: str) -> None:
@@ -297,10 +302,16 @@ def check_compiled(value: Any, error: type[ValueError]) -> None:
                             f"{', '.join(_FIGURES)}")
             numbers += [(f"{where}.layers[{i}].{variant}.{k}", fig[k]) for k in _FIGURES]
         numbers += _unit_numbers(f"{where}.layers[{i}].units", row.get("units"), error)
+    if value["layout"] not in LAYOUTS:
+        raise error(f"{where}.layout={value['layout']!r}: expected one of {', '.join(LAYOUTS)}")
+    if (value["layout"] == "whole-model") != (value.get("whole") is not None):
+        raise error(f"{where}.whole={value.get('whole')!r:.40}: expected an object of unit names to saved bytes "
+                    "exactly when layout is 'whole-model'")
+    numbers += _unit_numbers(f"{where}.whole", value.get("whole"), error)
     for name, number in numbers:
         if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 <= number < float("inf"):
             raise error(f"{name}={number!r}: expected a number, finite and >= 0")
-        if (name.endswith("saved_bytes") or ".units." in name) and not isinstance(number, int):
+        if (name.endswith("saved_bytes") or ".units." in name or ".whole." in name) and not isinstance(number, int):
             raise error(f"{name}={number!r}: expected int")
 
 

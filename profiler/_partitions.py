@@ -14,13 +14,15 @@ observer goes. Guarded by tests/test_graph_swap.py and tests/test_graph_names.py
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+import itertools
+from typing import Any, Callable, Iterator
 
 import torch._functorch._activation_offloading.activation_offloading as _offloading
 import torch._functorch.config as functorch_config
 from torch import fx
 
-__all__ = ["PartitionObserver", "add_partition_observer", "observe_partitions", "remove_partition_observer"]
+__all__ = ["PartitionObserver", "add_partition_observer", "fresh_call", "observe_partitions",
+           "remove_partition_observer"]
 
 PartitionObserver = Callable[[fx.GraphModule, fx.GraphModule, int], None]
 """``observer(fw_module, bw_module, num_fwd_outputs)``: called on each pair of partitioned graphs."""
@@ -76,3 +78,16 @@ def observe_partitions(observer: PartitionObserver) -> Iterator[None]:
         yield
     finally:
         remove_partition_observer(observer)
+
+
+_codes = itertools.count()
+
+
+def fresh_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A function calling ``fn``, under a code object of its own (renamed with a process-wide ordinal): dynamo
+    keeps its compiled graphs per code object, so ``torch.compile`` of it traces and partitions anew, and the
+    observers see the graphs, however often the same module was compiled before."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+    call.__code__ = call.__code__.replace(co_name=f"{call.__code__.co_name}_{next(_codes)}")
+    return call

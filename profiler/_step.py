@@ -12,7 +12,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ._compiled import CompileBackendError, apply_compiled, check_backend, measure_compiled
+from ._compiled import LAYOUTS, CompileBackendError, apply_compiled, check_backend, measure_compiled
+from ._compiled_whole import measure_whole_graph
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
 from ._optimizer_time import estimate_optimizer_seconds, measure_optimizer_seconds
@@ -355,11 +356,15 @@ def _units(events: list[OpEvent], namer) -> list[UnitRecord]:
     return out
 
 
-def profile_compiled(target: Any, profile: Profile, *, backend: str, repeat: int = 3) -> Profile:
+def profile_compiled(target: Any, profile: Profile, *, backend: str, repeat: int = 3,
+                     layout: str = "per-block") -> Profile:
     """``profile`` (eager, of ``target``) rewritten to the model with every block compiled by ``backend``
     (``torch.compile`` per block): what each compiled block saves and its times, measured on ``target``
-    (``profiler._compiled``; Note: [compiled profile]). The model is left as it was."""
+    (``profiler._compiled``; Note: [compiled profile]). ``layout="whole-model"``: the saved bytes are those of
+    the model compiled whole (Note: [whole-model compiled profile]). The model is left as it was."""
     check_backend(backend)
+    if layout not in LAYOUTS:
+        raise CompileBackendError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
     if profile.compiled is not None:
         raise CompileBackendError(f"profile.compiled.backend={profile.compiled['backend']!r}: already a compiled profile; "
                          "expected the eager profile of the model")
@@ -378,8 +383,11 @@ def profile_compiled(target: Any, profile: Profile, *, backend: str, repeat: int
     try:
         with torch.random.fork_rng(devices=[device] if device.type != "cpu" else []):
             figures = measure_compiled(model, step.loss, layers, backend=backend, device=device, repeat=repeat)
+            whole = measure_whole_graph(model, step.loss, backend=backend) if layout == "whole-model" else None
     finally:
         model.train(was_training)
         for p, grad in saved_grads:
             p.grad = grad
-    return apply_compiled(profile, figures)
+    if whole is None:
+        return apply_compiled(profile, figures)
+    return apply_compiled(profile, {**figures, "layout": layout, "whole": whole})

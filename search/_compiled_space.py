@@ -28,7 +28,7 @@ __all__ = ["attributed", "compiled_blocks", "honoured", "project", "whole_swap"]
 def compiled_blocks(model: StepModel) -> bool:
     """Whether ``model``'s layers run as compiled blocks (a profile measured compiled per block)."""
     compiled = model.profile.compiled
-    return compiled is not None and compiled.get("layout") == "per-block"
+    return compiled is not None and compiled.get("layout") in ("per-block", "whole-model")
 
 
 def attributed(model: StepModel) -> bool:
