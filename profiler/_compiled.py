@@ -31,7 +31,8 @@ from ._graph_names import saved_unit_bytes
 from ._partitions import fresh_call, observe_partitions
 from ._units import UnitNamer
 
-__all__ = ["LAYOUTS", "VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_compiled", "measure_compiled"]
+__all__ = ["LAYOUTS", "VARIANTS", "CompileBackendError", "apply_compiled", "check_backend", "check_layout",
+           "check_compiled", "measure_compiled"]
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,13 @@ def check_backend(backend: Any) -> str:
     if not isinstance(backend, str) or backend not in names:
         raise CompileBackendError(f"compile={backend!r}: not a torch.compile backend; expected one of {', '.join(names)}")
     return backend
+
+
+def check_layout(layout: Any, key: str = "layout") -> str:
+    """``layout`` as a compiled profile's layout; a one-line ValueError naming ``key`` otherwise."""
+    if layout not in LAYOUTS:
+        raise CompileBackendError(f"{key}={layout!r}: expected one of {', '.join(LAYOUTS)}")
+    return layout
 
 
 class _Block:

@@ -12,7 +12,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ._compiled import LAYOUTS, CompileBackendError, apply_compiled, check_backend, measure_compiled
+from ._compiled import CompileBackendError, apply_compiled, check_backend, check_layout, measure_compiled
 from ._compiled_whole import measure_whole_graph
 from ._fingerprint import model_fingerprint
 from ._hardware import hardware_spec, measure_device, measure_link
@@ -121,6 +121,7 @@ def profile_step(
     record: int = 3,
     optimizer_time: float | None = None,
     compile: str | None = None,
+    compile_layout: str = "per-block",
     meter: MemoryMeter | None = None,
     precision: str | Precision | None = None,
 ) -> Profile:
@@ -138,7 +139,8 @@ def profile_step(
     ``optimizer_time``: seconds of one optimizer step when the caller knows them; None times a
     scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
     ``compile``: a ``torch.compile`` backend (``inductor``, ``aot_eager``): the profile describes the model
-    with every block compiled (:func:`profile_compiled`).
+    with every block compiled (:func:`profile_compiled`); ``compile_layout="whole-model"``: its saved bytes
+    those of the model compiled whole.
     ``meter``: the device's live and peak bytes (``live()``, ``peak()``, ``reset_peak()``; on CPU an
     ``adaptive_mem.DeviceMemory``; on an accelerator its allocator's statistics by default): what the device
     holds beside the step's tensors is measured with it (``static.other``: Note: [other device memory]) and
@@ -148,6 +150,7 @@ def profile_step(
     """
     if compile is not None:
         check_backend(compile)
+        check_layout(compile_layout, "compile_layout")
     if record < 1:
         raise ValueError(f"record={record}: expected at least one recorded step")
     step = _target(target, inputs, loss_fn)
@@ -165,7 +168,7 @@ def profile_step(
     result = _build(step, recorder, hw, static, device, fake, step_time, dtype, peak)
     result.optimizer_time = _optimizer_seconds(optimizer_time, model, optimizer or "adam", hw, fake)
     if compile is not None:
-        result = profile_compiled(step, result, backend=compile, repeat=max(1, repeat))
+        result = profile_compiled(step, result, backend=compile, repeat=max(1, repeat), layout=compile_layout)
     log.info("profiled %d ops in %d units (%s, %s) in %.1f s", len(result.ops), len(result.units), device.type,
              "measured" if result.measured else f"estimated for {hw.name}", time.perf_counter() - start)
     return result
@@ -363,8 +366,7 @@ def profile_compiled(target: Any, profile: Profile, *, backend: str, repeat: int
     (``profiler._compiled``; Note: [compiled profile]). ``layout="whole-model"``: the saved bytes are those of
     the model compiled whole (Note: [whole-model compiled profile]). The model is left as it was."""
     check_backend(backend)
-    if layout not in LAYOUTS:
-        raise CompileBackendError(f"layout={layout!r}: expected one of {', '.join(LAYOUTS)}")
+    check_layout(layout)
     if profile.compiled is not None:
         raise CompileBackendError(f"profile.compiled.backend={profile.compiled['backend']!r}: already a compiled profile; "
                          "expected the eager profile of the model")

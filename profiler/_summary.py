@@ -58,6 +58,9 @@ def format_summary(profile: Profile, *, top: int = 10) -> str:
         lines.append(f"compiled per block ({profile.compiled['backend']}): blocks save {saved['keep']:.2f} MiB "
                      f"(eager {saved['eager']:.2f}, full recompute {saved['full']:.2f}); step time "
                      f"{_ms(profile.step_time)} ms (eager {_ms(profile.compiled['eager_step_time'])} ms)")
+        if profile.compiled.get("whole") is not None:
+            lines.append(f"compiled whole: its forward graph saves {sum(profile.compiled['whole'].values()) / MiB:.2f} "
+                         "MiB; the units' saved bytes are the whole graph's")
     return "\n".join(lines)
 
 

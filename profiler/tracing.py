@@ -4,7 +4,7 @@ fallbacks, saved-output tracking, timing, static bytes, shard arithmetic.
 Not part of the user API (``profiler.__all__``); the other packages of adaptive-mem import these from here.
 """
 
-from ._compiled import check_backend
+from ._compiled import check_backend, check_layout
 from ._fake_ops import install_fake_fallbacks
 from ._partitions import (PartitionObserver, add_partition_observer, fresh_call, observe_partitions,
                           remove_partition_observer)
@@ -18,7 +18,7 @@ from ._step import StepTarget
 from ._timing import timed
 
 __all__ = ["OpEvent", "ParameterSplit", "PartitionObserver", "add_partition_observer", "fresh_call", "observe_partitions",
-           "remove_partition_observer", "Recorder", "SavedOutputs", "StepTarget", "check_backend",
+           "remove_partition_observer", "Recorder", "SavedOutputs", "StepTarget", "check_backend", "check_layout",
            "collective_time", "ddp_bucket_bytes", "fsdp_buffer_bytes", "group_bandwidth", "install_fake_fallbacks", "local_shard", "no_cycle", "parameter_split",
            "precision_of", "rank_share", "rank_static", "saved_output_units", "saved_outputs", "static_memory", "timed",
            "tp_roles", "unique_bytes"]

@@ -18,7 +18,7 @@ COMMON = {"--debug", "--log-level", "-h", "--help"}
 # subcommand -> its flags (option strings, without the common ones); positionals as "<name>".
 EXPECTED: dict[str, set[str]] = {
     "profile": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--hardware",
-                "--optimizer", "--precision", "-o", "--output", "--calibrate", "--compile", "--top",
+                "--optimizer", "--precision", "-o", "--output", "--calibrate", "--compile", "--compile-layout", "--top",
                 "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages", "--data-parallel",
                 "--micro-batches", "--sequence-parallel", "--zero", "--schedule"},
     "demo": {"--out", "--model", "--compile-backend", "--throughput"},

@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "aot_eager): what each compiled block saves and its times, for keep and full recompute "
                              "(profile.compiled); plans searched on it are for the model compiled per block; with "
                              "--device meta, inductor modelled (profiler.compiled_estimate)")
+    parser.add_argument("--compile-layout", default=None, metavar="LAYOUT",
+                        help="with --compile: per-block (default) or whole-model: the saved bytes per unit are those "
+                             "of the model compiled whole (torch.compile(model)); times stay the blocks'")
     parser.add_argument("--top", default="10", metavar="N", help="units listed in the top-units table (default 10)")
     from ._layout_args import add_layout_arguments
 
@@ -114,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         if args.device == "meta" and args.compile != "inductor":
             raise ValueError(f"--compile={args.compile!r} with --device meta: expected inductor (modelled on fake "
                              "tensors: profiler.compiled_estimate) or a real device (compiled blocks are measured)")
+    compile_layout = _compile_layout(args)
     output = Path(args.output) if args.output else None
     if output is not None and not output.parent.exists():
         raise ValueError(f"--output={args.output!r}: directory {str(output.parent)!r} does not exist")
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
                          "have no copies to time)")
     modelled = args.compile if bundle.is_fake else None  # Note: [compile model]: inductor on fake tensors
     result = profiler.profile_step(bundle, hardware=args.hardware, optimizer=args.optimizer.lower(),
-                                   compile=None if modelled else args.compile, precision=args.precision)
+                                   compile=None if modelled else args.compile, compile_layout=compile_layout,
+                                   precision=args.precision)
     if modelled:
         result = profiler.compiled_estimate(result, backend=modelled)
     if args.calibrate:
@@ -173,3 +178,18 @@ def _shard(result: profiler.Profile, bundle, layout: profiler.Layout) -> profile
              fmt_bytes(result.static.total), fmt_bytes(shared.static.total), fmt_bytes(result.saved_bytes),
              fmt_bytes(shared.saved_bytes))
     return shared
+
+
+def _compile_layout(args: argparse.Namespace) -> str:
+    """``--compile-layout`` checked against ``--compile`` and ``--device``."""
+    if args.compile_layout is None:
+        return "per-block"
+    from profiler.tracing import check_layout
+
+    check_layout(args.compile_layout, "--compile-layout")
+    if args.compile is None:
+        raise ValueError(f"--compile-layout={args.compile_layout!r} without --compile: expected --compile BACKEND")
+    if args.device == "meta" and args.compile_layout != "per-block":
+        raise ValueError(f"--compile-layout={args.compile_layout!r} with --device meta: expected per-block (the "
+                         "compile model on fake tensors is per block) or a real device")
+    return args.compile_layout
