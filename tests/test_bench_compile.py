@@ -48,7 +48,7 @@ def test_ours_with_compile_runs_at_compiles_measured_peak(bench_dir):
     assert matched["planned_for"] == "whole-model" and offset > 0
     assert matched["info"]["compile"] == ours["info"]["compile"] == "whole-model"
     assert matched["budget_bytes"] <= matched["match_peak_bytes"] + offset
-    assert matched["predicted_peak_bytes"] == matched["predicted_peak_bytes_per_block"] - offset
+    assert matched["predicted_peak_bytes"] == matched["predicted_peak_bytes_simulated"] - offset
     assert matched["predicted_peak_bytes"] <= matched["match_peak_bytes"]
     # Note: [matched at no more memory]: searched again at a lower budget while over compile's peak
     assert all(r["peak_bytes"] <= matched["match_peak_bytes"] for r in matched["repeats"])

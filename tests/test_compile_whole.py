@@ -115,6 +115,6 @@ def test_matched_rows_are_planned_in_whole_model_terms(tmp_path):
         _plan(decisions).save(path)
         prepared = {"plan": str(path), "predicted_peak_bytes": 5000}
         assert whole_model_prediction(prepared, 300) == {
-            **prepared, "predicted_peak_bytes": 4700, "predicted_peak_bytes_per_block": 5000,
+            **prepared, "predicted_peak_bytes": 4700, "predicted_peak_bytes_simulated": 5000,
             "planned_for": "whole-model", "whole_model_offset_bytes": 300}
         assert whole_model_prediction(prepared, None) is None

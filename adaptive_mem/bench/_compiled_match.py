@@ -1,12 +1,10 @@
 """Matched ``ours-milp+compile`` rows in whole-model terms (Note: [whole-model offset]).
 
-Note: [whole-model offset]. The compiled profile is measured per block, but ours + compile runs its plan under
-a whole-model compile (Note: [ours + compile layout] in ``_policy_compiled.py``), which holds less:
-it fuses across blocks, head and loss. The offset is the keep-all plan's predicted peak on the per-block
-compiled profile minus the measured peak of ``compile`` at budget 1.0 (the same whole-model compile with no
-plan), so it also absorbs the simulator's error at keep-all. A matched row at a compile row's measured peak P
-is searched at P + offset. Predicted peaks are reported in whole-model terms (per-block figure minus the
-offset). Guarded by tests/test_compile_whole.py.
+Note: [whole-model offset]. Ours + compile plans on the profile of the model compiled whole (Note: [whole-model
+compiled profile]): its units save what the whole-model graph saves. What remains between its keep-all plan's
+predicted peak and the measured peak of ``compile`` at budget 1.0 (the same whole-model compile with no plan) is
+the simulator's error at keep-all: the offset. A matched row at a compile row's measured peak P is searched at
+P + offset, and predicted peaks are reported less the offset. Guarded by tests/test_compile_whole.py.
 """
 
 from __future__ import annotations
@@ -19,8 +17,8 @@ __all__ = ["whole_model_offset", "whole_model_prediction"]
 
 
 def whole_model_offset(ctx: Any, rows: list, measured: list) -> int | None:
-    """Per-block keep-all predicted peak on ``ctx`` (the compiled context) minus compile@1.0's measured peak;
-    None without an ok compile@1.0 first run."""
+    """Keep-all predicted peak on ``ctx`` (the compiled context) minus compile@1.0's measured peak; None without
+    an ok compile@1.0 first run."""
     for k, (row, job) in enumerate(rows):
         first = measured[k][0] if measured[k] else {}
         if job is not None and row["policy"] == "compile" and row["budget"] == 1.0 and first.get("status") == "ok":
@@ -33,5 +31,5 @@ def whole_model_prediction(prepared: dict[str, Any], offset: int | None) -> dict
     if offset is None:
         return None
     return {**prepared, "predicted_peak_bytes": int(prepared["predicted_peak_bytes"]) - offset,
-            "predicted_peak_bytes_per_block": int(prepared["predicted_peak_bytes"]), "planned_for": "whole-model",
+            "predicted_peak_bytes_simulated": int(prepared["predicted_peak_bytes"]), "planned_for": "whole-model",
             "whole_model_offset_bytes": offset}

@@ -1,5 +1,6 @@
-"""Ours with ``torch.compile``: the ``milp`` plan searched on the profile of the model compiled per block, applied
-to the model, then compiled (torchtitan's order: the plan first, then compile).
+"""Ours with ``torch.compile``: the ``milp`` plan searched on the profile of the model compiled whole (Note:
+[whole-model compiled profile]), applied to the model, then compiled (torchtitan's order: the plan first, then
+compile).
 
 Note: [ours + compile layout]. Ours + compile runs its plan under a whole-model ``torch.compile`` (as the
 ``compile`` policy, ``activation_memory_budget`` 1.0): it fuses across blocks, head and loss, which per-block
@@ -23,7 +24,7 @@ def compile_layout(plan: Any) -> str:
 
 class MilpCompiledPolicy(Policy):
     name = "ours-milp+compile"
-    label = ("adaptive-mem: the milp plan searched on the profile of the model compiled per block ({backend}), "
+    label = ("adaptive-mem: the milp plan searched on the profile of the model compiled whole ({backend}), "
              "applied, then the whole model compiled")
     budgeted = True
     eager = False

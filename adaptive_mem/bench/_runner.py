@@ -9,7 +9,7 @@ every competitor is compared with a plan of ours searched for its own memory. Th
 the simulator's terms: the competitor's predicted peak when it is a plan the simulator knows
 (full, megatron-selective, hf-gc), else its measured peak scaled by the simulator's median
 predicted/measured ratio on those competitors. Those rows then join the interleaved repeats.
-Likewise ``ours-milp+compile`` (planned on the profile of the model compiled per block) is searched and
+Likewise ``ours-milp+compile`` (planned on the profile of the model compiled whole) is searched and
 run at each ``compile`` and ``full+compile`` row's measured peak, in whole-model terms (Note: [whole-model
 offset] in ``_compiled_match.py``).
 """
@@ -117,13 +117,13 @@ def _job(config: BenchConfig, name: str, budget: float | None, prepared: dict[st
 
 def _predicted(row: dict[str, Any], prepared: dict[str, Any]) -> dict[str, Any]:
     for key in ("predicted_peak_bytes", "predicted_step_time", "plan_layers", "timeline_predicted", "plan",
-                "predicted_peak_bytes_per_block", "planned_for", "whole_model_offset_bytes"):
+                "predicted_peak_bytes_simulated", "planned_for", "whole_model_offset_bytes"):
         if key in prepared:
             row[key] = prepared[key]
     return row
 
 
-_WHOLE_KEYS = ("predicted_peak_bytes_per_block", "planned_for")
+_WHOLE_KEYS = ("predicted_peak_bytes_simulated", "planned_for")
 
 
 def _competitors(rows: list[tuple[dict[str, Any], dict[str, Any] | None]], *, compiled: bool = False) -> list[int]:
@@ -312,8 +312,9 @@ def _profiles(config: BenchConfig, bundle: Any, profile: Any) -> tuple[Any, Prep
     profile.save(config.out / "profile.json")
     ctx = PrepareContext(profile, config.out)
     if any(get_policy(name).compiled_profile for name in config.policies):
-        log.info("profiling %s with every block compiled (%s)", config.spec, config.compile_backend)
-        compiled = profiler.profile_compiled(bundle, profile, backend=config.compile_backend)
+        log.info("profiling %s with every block compiled and the whole model's graph (%s)", config.spec,
+                 config.compile_backend)
+        compiled = profiler.profile_compiled(bundle, profile, backend=config.compile_backend, layout="whole-model")
         compiled.save(config.out / "profile-compiled.json")
         ctx.compiled = PrepareContext(compiled, config.out)
     return profile, ctx

@@ -3,7 +3,8 @@
 Profile ``llama-small`` on this CPU, pick a budget halfway between full recompute and keeping
 everything (so the plan must trade memory for time), search the ``milp`` plan, apply it and
 train, next to no checkpointing, full recompute, ``torch.compile`` alone and the plan searched on the
-model compiled per block, then the whole model compiled (its swaps inside the graph; each in its own process); ours is also searched and run at full recompute's and at compile's measured peaks. With
+profile of the model compiled whole, then the whole model compiled (its swaps inside the graph; each in its own
+process); ours is also searched and run at full recompute's and at compile's measured peaks. With
 ``--throughput 1-4``, then the throughput table at the plain model's measured peak (largest batch among those
 sizes that fits and tokens/s for no plan, full recompute, compile and ours, batch size and plan searched
 together; ``bench._throughput``). Then print a short summary and write the bench report (``report.md``,
