@@ -49,7 +49,7 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     place (``layer.compile``, per block as torchtitan does), so the plan's recompute and swap run inside or
     around the compiled blocks; ``handle.remove()`` makes them plain again. The other order works too:
     compile each block yourself, then ``optimize``; for recompute plans, ``torch.compile(model)`` after
-    ``optimize`` also works. Swap under a whole-model compile runs eager (one warning says why).
+    ``optimize`` also works, as does ``torch.compile(model)`` for swap plans (the swaps go into its graph).
 
     ``budget`` raises :class:`OptimizeArgumentError`: the loop that finds the fastest plan under a budget
     while training is ``adaptive_mem.adaptive_optimize(model, budget=...)``.
