@@ -114,3 +114,34 @@ def test_select_recompute_with_swap_runs_compiled(mode: str, order: str, backend
         assert eager_offloads == []  # the graph ops swap, not the engine's hooks
         assert saved.units and saved.feed_forward() == set(), saved.feed_forward()
     assert _warnings(caplog) == []
+
+
+def _layer_of(stack: dict | None, ids: dict[int, int]) -> int | None:
+    for key in stack or {}:
+        mid = key.partition("@")[0]
+        if mid.isdigit() and int(mid) in ids:
+            return ids[int(mid)]
+    return None
+
+
+def test_reload_anchors_at_layer_backward_start_counting_recomputed_ops():
+    """Note: [select recompute with swaps, compiled]: the ops recomputed in backward carry ``nn_module_stack`` but no
+    ``fwd_nn_module_stack``; a layer's backward begins at its first node by either, and layer 0's reload (prefetch
+    1) follows layer 1's."""
+    model, batch = _fresh()
+    decisions = {"layers.0.attention.flash_attention": SWAP, "layers.1.feed_forward": "recompute"}
+    with optimize(model, plan=_plan(decisions)) as handle:
+        compiled_step(model, torch.compile(model, backend="aot_eager"), batch)
+        swaps = list(handle._executor.graph.swaps)
+    assert swaps and {s.key.partition("@")[0] for s in swaps} == {"layers.0.attention.flash_attention"}
+    ids = {id(m): i for i, layer in enumerate(model.layers) for m in layer.modules()}
+    nodes = list(swaps[0].reload.graph.nodes)
+    recomputed = [n for n in nodes if n.op == "call_function" and "fwd_nn_module_stack" not in n.meta
+                  and _layer_of(n.meta.get("nn_module_stack"), ids) == 1]
+    assert any(n.target is torch.ops.aten.mm.default for n in recomputed)  # the feed-forward's matmuls
+    start = next(n for n in nodes if any(a.op == "placeholder" and a.name.startswith("tangents")
+                                          for a in n.all_input_nodes))
+    first = next(n for n in nodes[nodes.index(start):]
+                 if _layer_of(n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack"), ids) == 1)
+    for s in swaps:
+        assert s.reload.args[3] == [first]
