@@ -145,3 +145,30 @@ def test_reload_anchors_at_layer_backward_start_counting_recomputed_ops():
                  if _layer_of(n.meta.get("fwd_nn_module_stack") or n.meta.get("nn_module_stack"), ids) == 1)
     for s in swaps:
         assert s.reload.args[3] == [first]
+
+
+def test_every_selective_block_compiles_past_dynamos_recompile_limit(caplog):
+    """Note: [a code per selective layer]: each selective block compiles a graph of its own, under a code object of
+    its own, so none waits on another's cache: with the limit at 1, all three mixed blocks run compiled and their
+    swaps are graph ops, none through the eager policy."""
+    torch._dynamo.reset()
+    counters.clear()
+    layers = 3
+    bundle = build_model("llama-tiny", model_args={"num_layers": layers}, batch_size=2, seq_len=16, seed=0)
+    model, (ids, _) = bundle.model, bundle.batch(seed=0)
+    decisions = {**{f"layers.{i}.feed_forward": "recompute" for i in range(layers)},
+                 **{f"layers.{i}.attention.flash_attention": SWAP for i in range(layers)}}
+    caplog.set_level(logging.WARNING)
+    with torch._dynamo.config.patch(recompile_limit=1), optimize(model, plan=_plan(decisions)) as handle:
+        engine = handle._executor.engine
+        eager_offloads: list[str] = []
+        offload = engine.offload
+        engine.offload = lambda t, **kw: eager_offloads.append(kw["label"]) or offload(t, **kw)
+        _compile(model, "block", "aot_eager")
+        for _ in range(2):
+            model(ids).sum().backward()
+        assert counters["stats"]["unique_graphs"] == layers and not counters["graph_break"]
+        keys = {s.key.partition("@")[0] for s in handle._executor.graph.swaps}
+        assert keys == {f"layers.{i}.attention.flash_attention" for i in range(layers)}, keys
+        assert eager_offloads == []
+    assert _warnings(caplog) == []

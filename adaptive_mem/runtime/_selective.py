@@ -12,11 +12,18 @@ and the others, swap units included, ``PREFER_SAVE``; the graph pass then swaps 
 ``nn_module_stack`` but no ``fwd_nn_module_stack``, and the reload anchors read either (Note: [graph swap
 placement]). Under a whole-model compile the model's graph is the plan's (``GraphPlan.owns``); a block compiled
 on its own is wrapped and owned like a block holding op-level swaps (``CompiledBlocks.op_swap``: Note: [op-level
-swap in a block]; each selective layer's forward is its own, so its block gets a graph of its own), and no eager
-hook swaps inside it. Eager, the layer keeps the eager policy, which offloads the swap units' slots of the
+swap in a block]; its block has a graph of its own: Note: [a code per selective layer]), and no eager hook swaps
+inside it. Eager, the layer keeps the eager policy, which offloads the swap units' slots of the
 checkpoint cache. One difference: eager, a swap unit whose output a recomputed unit reads is kept (its cache slot
 feeds the replay); compiled, that output is saved for the recompute in backward and swapped like any saved value.
 Guarded by tests/test_compile_mixed.py and tests/test_compile_honoured.py.
+
+Note: [a code per selective layer]. Dynamo compiles a selective layer's forward as a frame of its own and guards
+on the namer's hooks of the layer's modules, which differ per layer, so every selective block compiles a graph of
+its own. Frames of one code object share dynamo's cache and its ``recompile_limit`` (8): with one code for every
+selective forward, the blocks past the eighth (counted over every plan applied in the process) would run eager.
+Each selective forward has a code object of its own (:func:`with_code`): one cache entry each, none past the
+limit (tests/test_compile_mixed.py lowers the limit to 1).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from search.planning import matches
 
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
-from ._op_level import outside_dynamo
+from ._op_level import outside_dynamo, with_code
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
@@ -154,6 +161,7 @@ class SelectiveLayers:
             args, kwargs, fresh = cache_snapshot(layer, args, kwargs, ctx.cache_warned)
             return checkpoint(replays_on_snapshot(body, fresh), *args, use_reentrant=False, context_fn=compiled_ctx,
                               **kwargs)
+        traced = with_code(traced)  # Note: [a code per selective layer]
         return layer.dynamo_ctx(traced) if inner is not None else traced
 
     def _prepare(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
