@@ -136,7 +136,6 @@ def test_op_level_swap_block_and_the_whole_layer_one_both_run_compiled(caplog):
         assert set(labels) == {"layers.0"}, set(labels)
         keys = {s.key.partition("@")[0] for s in handle._executor.graph.swaps}
         assert keys == {"layers.1.attention.flash_attention"} and stats.offloads == 2  # one a step
-        assert handle._executor.eager_blocks() == []
     assert _warnings(caplog) == []
 
 

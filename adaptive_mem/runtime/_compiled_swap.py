@@ -13,10 +13,11 @@ The block's outputs are recorded as produced by the swapped layer (saved later, 
 as the eager path would). The prefetch trigger is a hook on the block's output registered by the
 wrapper, in eager code.
 The executor's hooks on modules inside a wrapped block are removed (inside the compiled frame each
-would be a graph break; a selective layer without swap units keeps its namer hooks, skipped while
-compiling). A block holding op-level swaps is wrapped too, without the hooks: its swaps are placed in its
-compiled graph (Note: [op-level swap in a block]). A selective layer with swap units stays eager (Note:
-[compile honoured]). Guarded by tests/test_compile_swap.py and tests/test_compile_honoured.py.
+would be a graph break; a selective layer keeps its namer hooks, skipped while compiling). A block holding
+op-level swaps is wrapped too, without the hooks: its swaps are placed in its compiled graph (Note: [op-level
+swap in a block]), as are those of a selective layer with swap units (Note: [select recompute with swaps,
+compiled] in ``_selective.py``). Guarded by tests/test_compile_swap.py, tests/test_compile_honoured.py and
+tests/test_compile_mixed.py.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ._op_level import fresh_code, with_code
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
+from ._selective import swaps_inside
 
 __all__ = ["CompiledBlocks"]
 
@@ -60,8 +62,10 @@ class CompiledBlocks:
         self.layer_hooks: dict[int, list[Any]] = {}  # the executor's hooks on the layer module itself
         self.attrs: list[tuple[nn.Module, str, bool, Any, Any]] = []  # (module, name, had, old, wrapper)
         self.whole_swap = self._whole_swap_layers()
-        self.op_swap = [i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap]
-        """Layers holding op-level swaps: compiled, their block graphs swap (Note: [op-level swap in a block])."""
+        self.op_swap = [i for i, m in enumerate(ctx.res.modes) if m is LayerMode.SWAP and i not in self.whole_swap
+                        or m is LayerMode.SAC and swaps_inside(ctx.plan, ctx.res.layers.layer_path(i))]
+        """Layers holding op-level swaps, selective ones too: compiled, their block graphs swap (Note: [op-level swap
+        in a block], Note: [select recompute with swaps, compiled] in ``_selective.py``)."""
         self._codes: dict[tuple, Any] = {}
         self._warned = False
         self._limit_warned = False
@@ -107,8 +111,6 @@ class CompiledBlocks:
         changed = False
         for i in range(ctx.num_layers):
             sac = self.sac.get(i)
-            if sac is not None and getattr(sac, "swaps", True):
-                continue  # eager paths (Note: [compile honoured])
             target = self._target(i)
             if target is None:
                 continue
@@ -119,7 +121,7 @@ class CompiledBlocks:
             # a selective layer keeps its namer hooks (skipped while compiling, Note: [compiled SAC names])
             for handle in self.handles.pop(i, ()) if sac is None else self.layer_hooks.get(i, ()):
                 handle.remove()
-            if i in self.op_swap:
+            if i in self.op_swap and sac is None:  # a selective layer's forward is its own already
                 self._own_graph(i)
             wrapper = self._wrap(i, old if old is not None else getattr(module, name))
             self.attrs.append((module, name, name in module.__dict__, old, wrapper))

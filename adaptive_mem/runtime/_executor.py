@@ -23,8 +23,8 @@ The executor composes collaborators, each in the file of its job, that share the
 :class:`PlanContext` (``_plan_context.py``): whole-layer recompute (``_recompute.py``), checkpoint groups
 (``_groups.py``, Note: [group inputs]), selective checkpoint (``_selective.py``), the op-level swap path: the
 dispatch mode, saved-tensor hooks and prefetch triggers (``_op_swap.py``), compiled blocks under swaps
-(``_compiled_swap.py``) and the compile watch (``_op_level.py``, Note: [compile honoured]). This module installs
-them in order and removes them.
+(``_compiled_swap.py``) and the plan's swaps in compiled graphs (``_graph_plan.py``; what runs outside dynamo:
+Note: [compile honoured] in ``_op_level.py``). This module installs them in order and removes them.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from ._compiled_swap import CompiledBlocks
 from ._copy_guard import CopyGuard
 from ._graph_plan import GraphPlan, activate, deactivate
 from ._groups import CheckpointGroups
-from ._op_level import CompileWatch, eager_only
+from ._op_level import eager_only
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
 from ._recompute import WholeLayers
@@ -92,7 +92,6 @@ class Executor:
         self.swaps = OpSwaps(ctx, on_forward=self._forward_begins)
         self.blocks = CompiledBlocks(ctx, self.swaps, self.selective.states,  # Note: [swap around compiled blocks]
                                      on_wrap=lambda: self.copies.install())
-        self.compile_watch = CompileWatch(ctx, self.selective.states)
         self.copies = CopyGuard(model, handles=ctx.handles, forwards=ctx.forwards, attrs=self.blocks.attrs)
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
@@ -103,10 +102,6 @@ class Executor:
     def engine(self) -> SwapEngine | None:
         return self.ctx.engine
 
-    def eager_blocks(self) -> list[int]:
-        """Layers whose compiled block runs eager under this plan: select recompute with swaps."""
-        return self.compile_watch.eager_blocks()
-
     # ================================================================== install / remove
     def install(self) -> None:
         ctx = self.ctx
@@ -116,9 +111,6 @@ class Executor:
             self._install_namer_hooks([ctx.model] if ctx.res.swap_outside_sac else [ctx.layers[i] for i in sac])
         if ctx.engine is not None:
             self.swaps.install(self.blocks.track)
-        if ctx.engine is not None or sac:
-            ctx.handles.append(ctx.model.register_forward_pre_hook(eager_only(self.compile_watch.watch)))
-            self.compile_watch.check()
         self.copies.install()
         if ctx.engine is not None:
             self.blocks.sync()
@@ -181,7 +173,6 @@ class Executor:
     def _forward_begins(self) -> None:
         """An outermost planned forward with swaps begins (after the engine's ``begin_forward``)."""
         self.blocks.sync()
-        self.compile_watch.check(in_forward=True)  # also under a whole-model compile, where watch is skipped
 
     # ================================================================== namer hooks
     def _enter(self, module: nn.Module, args: Any) -> None:

@@ -71,8 +71,8 @@ class GraphPlan:
                 start = node
             if start is None:
                 continue
-            layer = next((self.layer_of[mid] for _, mid in stack_frames(node.meta.get("fwd_nn_module_stack"))
-                          if mid in self.layer_of), None)
+            stack = node.meta.get("fwd_nn_module_stack") or node.meta.get("nn_module_stack")  # a recomputed op
+            layer = next((self.layer_of[mid] for _, mid in stack_frames(stack) if mid in self.layer_of), None)
             if layer is not None:
                 first.setdefault(layer, node)
         num_layers = self.ctx.num_layers

@@ -1,8 +1,29 @@
 """Selective checkpoint of the :class:`~adaptive_mem.runtime._executor.Executor`: a layer in ``LayerMode.SAC`` runs
 under a :class:`SacPolicy` that keeps, recomputes or swaps each aten op's output, and the cache slots of swapped
 outputs are handed to the :class:`SwapEngine`. Eager, the policy names each op by module (the namer's hooks);
-while dynamo traces a layer without swap units, the compile-mode policy does (Note: [compiled SAC names] in
-``_compiled_sac.py``; Note: [compile honoured] in ``_op_level.py``).
+while dynamo traces a layer, the compile-mode policy does (Note: [compiled SAC names] in ``_compiled_sac.py``;
+Note: [compile honoured] in ``_op_level.py``).
+
+Note: [select recompute with swaps, compiled]. A selective layer whose plan also swaps some of its units runs the
+same compiled checkpoint as one without swaps: the compile-mode policy tags recompute units ``PREFER_RECOMPUTE``
+and the others, swap units included, ``PREFER_SAVE``; the graph pass then swaps the saved values of the swap units
+(Note: [graph swap names] in ``_graph_plan.py``). The saved values of the checkpointed region carry their forward
+``nn_module_stack``, so they are named as outside it; recomputed ops in the backward graph carry their forward
+``nn_module_stack`` but no ``fwd_nn_module_stack``, and the reload anchors read either (Note: [graph swap
+placement]). Under a whole-model compile the model's graph is the plan's (``GraphPlan.owns``); a block compiled
+on its own is wrapped and owned like a block holding op-level swaps (``CompiledBlocks.op_swap``: Note: [op-level
+swap in a block]; its block has a graph of its own: Note: [a code per selective layer]), and no eager hook swaps
+inside it. Eager, the layer keeps the eager policy, which offloads the swap units' slots of the
+checkpoint cache. One difference: eager, a swap unit whose output a recomputed unit reads is kept (its cache slot
+feeds the replay); compiled, that output is saved for the recompute in backward and swapped like any saved value.
+Guarded by tests/test_compile_mixed.py and tests/test_compile_honoured.py.
+
+Note: [a code per selective layer]. Dynamo compiles a selective layer's forward as a frame of its own and guards
+on the namer's hooks of the layer's modules, which differ per layer, so every selective block compiles a graph of
+its own. Frames of one code object share dynamo's cache and its ``recompile_limit`` (8): with one code for every
+selective forward, the blocks past the eighth (counted over every plan applied in the process) would run eager.
+Each selective forward has a code object of its own (:func:`with_code`): one cache entry each, none past the
+limit (tests/test_compile_mixed.py lowers the limit to 1).
 """
 
 from __future__ import annotations
@@ -15,20 +36,26 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-from search import Action
+from search import Action, Plan
 from search.planning import matches
 
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
-from ._op_level import outside_dynamo
+from ._op_level import outside_dynamo, with_code
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
 from ._swap_engine import Packed
 
-__all__ = ["SacLayer", "SelectiveLayers"]
+__all__ = ["SacLayer", "SelectiveLayers", "swaps_inside"]
 
 log = logging.getLogger(__name__)
+
+
+def swaps_inside(plan: Plan, path: str) -> bool:
+    """Some unit of the layer at ``path`` is swapped (Note: [select recompute with swaps, compiled])."""
+    return decide(plan, path).action is Action.SWAP or any(
+        d.action is Action.SWAP and matches(path, t) for t, d in plan.decisions.items())
 
 
 class _SwappedEntry:
@@ -53,7 +80,6 @@ class SacLayer:
         self.actions: dict[str, str] = {}
         self.policy: SacPolicy | None = None
         self.swap_outputs: dict[int, str] = {}
-        self.swaps = False  # some unit of the layer is swapped: the layer runs the eager policy
         self.compiled: list[CompiledSacPolicy] = []  # policies of the compiled bodies traced (Note: [compiled SAC names])
 
 
@@ -71,11 +97,6 @@ class SelectiveLayers:
         orig = ctx.orig(i)
         state = self.states[i] = SacLayer(i, OpCounter(ctx.namer))
         eager = outside_dynamo(self._eager_forward(state, layer, orig), eager_callees=True)
-        path = ctx.namer.paths[id(layer)]
-        state.swaps = decide(ctx.plan, path).action is Action.SWAP or any(
-            d.action is Action.SWAP and matches(path, t) for t, d in ctx.plan.decisions.items())
-        if state.swaps:  # Note: [compile honoured]: the swapped cache slots need the eager policy
-            return eager
         return self._compilable_forward(state, layer, orig, eager)
 
     def _eager_forward(self, state: SacLayer, layer: nn.Module, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -140,6 +161,7 @@ class SelectiveLayers:
             args, kwargs, fresh = cache_snapshot(layer, args, kwargs, ctx.cache_warned)
             return checkpoint(replays_on_snapshot(body, fresh), *args, use_reentrant=False, context_fn=compiled_ctx,
                               **kwargs)
+        traced = with_code(traced)  # Note: [a code per selective layer]
         return layer.dynamo_ctx(traced) if inner is not None else traced
 
     def _prepare(self, state: SacLayer, layer: nn.Module, forward: Callable[..., Any], args: tuple,
