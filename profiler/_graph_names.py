@@ -8,7 +8,7 @@ gives ``<path>.<label>``; otherwise the innermost named module gives ``<path>.<o
 unit of the op that made its storage. The compiled selective-checkpoint policy names the ops it tags by these
 rules, the graph swap pass the values it swaps, and the compiled profile the bytes each unit's values hold
 in the partitioned graph, so the three agree with each other and with the eager profile. Guarded by
-tests/test_compile_sac.py and tests/test_graph_names.py.
+tests/test_compile_sac.py, tests/test_profile_compiled.py and tests/test_compiled_whole_profile.py.
 """
 
 from __future__ import annotations

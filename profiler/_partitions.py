@@ -8,7 +8,7 @@ num_fwd_outputs)`` to every observer in the order they came (an observer may rew
 swap pass inserts its offload/reload pairs), then calls PyTorch's, which offloads only what others marked
 ``should_offload``. AOT autograd's cache is off meanwhile: a graph compiled without the observers must not be
 served from it, nor one they rewrote be served to a compile without them. All is restored when the last
-observer goes. Guarded by tests/test_graph_swap.py and tests/test_graph_names.py.
+observer goes. Guarded by tests/test_graph_swap.py and tests/test_compiled_whole_profile.py.
 """
 
 from __future__ import annotations

@@ -1,19 +1,17 @@
-"""The plans searched on a profile of the model compiled per block.
+"""The plans searched on a profile of a compiled model.
 
-Note: [compiled search space]. A profile of the model compiled per block (``profile.compiled["layout"] ==
-"per-block"``) measures what each compiled block saves. When its rows carry ``units`` (what each block's
-partitioned forward graph saves, per unit: Note: [compiled profile]), its per-unit figures are the graph's and
-every unit can be decided on its own; without (profiles measured before units were read from the graph), the
-block's bytes are spread over its units in proportion and are good for whole-layer decisions only. The executor
-honours op-level recompute through the compiled selective-checkpoint policy and op-level swaps inside the
-compiled graphs (the block's or the whole model's), but select recompute mixed with swaps in one layer runs
-eager (``adaptive_mem/runtime/_op_level.py``). On such a profile a layer position therefore takes one of: no swap
-(any keep / recompute mix, the whole layer recomputed with or without its input swapped); any set of its units
-swapped with the rest kept (``units`` read) or every unit swapped at one prefetch distance (not read);
-positions outside the layers (embedding, head, loss) run eager and take anything. The milp's menus hold only
-these options, every solver's assignment is projected into the space before it is judged, and the plan names a
-whole-layer swap by the layer's path, which is what the executor runs compiled. Guarded by
-tests/test_compiled_space.py.
+Note: [compiled search space]. A profile of the model compiled per block or whole (``profile.compiled["layout"]``)
+measures what the compiled graphs save. When its rows carry ``units`` (what each block's partitioned forward graph
+saves, per unit: Note: [compiled profile]), its per-unit figures are the graph's, and every plan the eager model
+takes is in the space: the executor runs op-level recompute through the compiled selective-checkpoint policy and
+every swap inside the compiled graphs (the block's or the whole model's), mixed in one layer or not. Without
+``units`` (profiles written before they were read from the graph), a block's bytes are spread over its units in
+proportion and are good for whole-layer decisions only: a layer position then takes no swap (any keep / recompute
+mix, the whole layer recomputed with or without its input swapped) or every unit swapped at one prefetch
+distance; positions outside the layers take anything. The milp's menus hold only these options, every solver's
+assignment is projected into the space before it is judged (a layer with swaps and no recompute swaps whole, one
+mixing swaps with recompute is recomputed whole), and the plan names a whole-layer swap by the layer's path.
+Guarded by tests/test_compiled_space.py.
 """
 
 from __future__ import annotations
@@ -26,25 +24,23 @@ __all__ = ["attributed", "compiled_blocks", "honoured", "project", "whole_swap"]
 
 
 def compiled_blocks(model: StepModel) -> bool:
-    """Whether ``model``'s layers run as compiled blocks (a profile measured compiled per block)."""
+    """Whether ``model``'s layers run compiled (a profile measured compiled per block or whole)."""
     compiled = model.profile.compiled
     return compiled is not None and compiled.get("layout") in ("per-block", "whole-model")
 
 
 def attributed(model: StepModel) -> bool:
-    """Whether ``model``'s per-block compiled profile says what each block's graph saves per unit (every row's
-    ``units``; Note: [compiled search space])."""
+    """Whether ``model``'s compiled profile says what each block's graph saves per unit (every row's ``units``;
+    Note: [compiled search space])."""
     rows = model.profile.compiled["layers"] if compiled_blocks(model) else []
     return bool(rows) and all("units" in row for row in rows)
 
 
 def honoured(model: StepModel, p: int, acts: tuple[Action, ...] | list[Action]) -> bool:
-    """Whether position ``p`` with the units' actions ``acts`` (before coupling) is in the space: runs compiled
-    and is judged on figures good for it."""
-    if model.layer_of(p) is None or not compiled_blocks(model) or Action.SWAP not in acts:
+    """Whether position ``p`` with the units' actions ``acts`` (before coupling) is in the space: judged on figures
+    good for it (Note: [compiled search space])."""
+    if model.layer_of(p) is None or not compiled_blocks(model) or Action.SWAP not in acts or attributed(model):
         return True
-    if attributed(model):
-        return Action.RECOMPUTE not in acts
     return all(a is Action.SWAP for a in acts)
 
 

@@ -259,15 +259,15 @@ def exact_menus(model: StepModel, prefetch: tuple[int, ...]) -> bool:
 def layer_menu(model: StepModel, p: int, *, prefetch: tuple[int, ...] = (0, 1, 2), limit: int = 40,
                cache: dict | None = None, exact: bool = True) -> list[Option]:
     """The options of position ``p``; identical layers share one computation through ``cache``."""
-    blocks = compiled_blocks(model)
-    key = (_signature(model, p), prefetch, limit, exact, blocks, blocks and attributed(model))
+    whole_only = compiled_blocks(model) and not attributed(model)  # Note: [compiled search space]
+    key = (_signature(model, p), prefetch, limit, exact, whole_only)
     if cache is not None and key in cache:
         return cache[key]
     if exact and len(model.positions[p]) <= EXACT_UNITS:
         menu = _exact(model, p, prefetch)
     else:
         menu = _heuristic(model, p, prefetch, limit)
-    if blocks:  # Note: [compiled search space]: no swap mixed with recompute in a layer
+    if whole_only:  # a layer swaps as a whole or not at all
         menu = [o for o in menu if o.input_swap or honoured(model, p, o.acts)] + _whole_swaps(model, p, menu, prefetch)
     if cache is not None:
         cache[key] = menu

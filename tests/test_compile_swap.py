@@ -203,7 +203,7 @@ def test_layer_swap_per_block_inductor_close():
 
 
 def test_whole_model_compile_with_swap_stays_compiled_and_exact(caplog):
-    """Note: [partitioner hook] (adaptive_mem/runtime/_graph_plan.py): the swaps run inside the whole-model graph."""
+    """Note: [partitioner hook] (profiler/_partitions.py): the swaps run inside the whole-model graph."""
     ref = _reference("whole")
     model, batch = _fresh()
     caplog.set_level(logging.WARNING)

@@ -1,6 +1,6 @@
 """Swaps inside whole-model compiled graphs: the offload/reload graph ops and the pass that places them.
 
-Note: [partitioner hook] and Note: [graph swap names] (adaptive_mem/runtime/_graph_plan.py), Note: [graph swap
+Note: [partitioner hook] (profiler/_partitions.py) and Note: [graph swap names] (adaptive_mem/runtime/_graph_plan.py), Note: [graph swap
 placement] (adaptive_mem/runtime/_graph_swap.py): with a plan that swaps, ``torch.compile(model)`` of the whole
 model stays compiled (0 graph breaks, one graph), both orders (``optimize`` before or after compiling), aot_eager
 and inductor; every saved value of a swap unit gets one offload/reload pair, each reload after the backward node

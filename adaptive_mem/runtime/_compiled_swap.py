@@ -141,7 +141,7 @@ class CompiledBlocks:
         """Note: [op-level swap in a block]. Dynamo compiles one graph for every block of a class (the modules are
         inlined, their parameters are inputs), so a block holding op-level swaps gets an instance forward whose code
         object is one per swap signature (:meth:`_signature`): dynamo guards on the forward's code, compiles one graph
-        per signature, and the graph pass (Note: [partitioner hook] in ``_graph_plan.py``) places that signature's
+        per signature, and the graph pass (Note: [partitioner hook] in ``profiler/_partitions.py``) places that signature's
         swaps in it, the reload at the start of the block's backward at the latest (a block's backward graph holds
         no other layer). Blocks of one signature share its graph, which is right: their decisions are the same."""
         if "forward" in self.ctx.layers[i].__dict__:

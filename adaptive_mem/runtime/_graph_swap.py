@@ -2,7 +2,7 @@
 reload at the plan's prefetch distance in backward.
 
 It runs on the forward and backward graphs AOT autograd's partitioner made (aot_eager and inductor alike;
-how it is reached: Note: [partitioner hook] in ``_graph_plan.py``). For each saved value ``x`` (a forward
+how it is reached: Note: [partitioner hook] in ``profiler/_partitions.py``). For each saved value ``x`` (a forward
 output handed to backward) that ``choose(x)`` swaps, :func:`insert_graph_swaps` inserts ``h =
 adaptive_mem::offload(x)`` after the last forward use of ``x`` and of its views and saves ``h`` in its
 place; in backward, ``y = adaptive_mem::reload(h, after=[anchor])`` goes right after the anchor (or before

@@ -183,7 +183,7 @@ class OpSwaps:
 def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
     """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
     [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
-    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``_graph_plan.py``). Its code object
+    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``profiler/_partitions.py``). Its code object
     is one per plan (:func:`with_code`): dynamo compiles the planned model anew, never serving the graph of an
     earlier plan, and the graph meets the pass."""
     eager = outside_dynamo(forward)
