@@ -95,10 +95,10 @@ PUBLIC = {
     "search": {
         "Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
         "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",
-        "ScalingCheck", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel", "ThroughputResult",
-        "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput", "merge_plans",
-        "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile", "scaling_error",
-        "simulate", "solver_names"},
+        "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel",
+        "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput",
+        "merge_plans", "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
+        "scale_to_seq_len", "scaling_error", "seq_len_bucket", "simulate", "solver_names"},
 }
 
 # a plan file's keys, and one decision's
