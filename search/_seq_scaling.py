@@ -17,10 +17,16 @@ exponent ``k`` in ``[0, 2]`` (``v ~ s^k``: 0 a constant such as a fixed table, 1
 * From one profile at ``s1``: bytes are linear except the score ops' (Note: [score ops by kind]), quadratic;
   times and FLOPs are linear except the score ops', the attention kernels' (``aten._scaled_dot_product_*``)
   and the matmuls that read a score op (``probs @ v``), quadratic.
-* The workspace beyond the saved bytes (the logits and the loss) scales linearly from the longer reference
-  (Note: [batch scaling]: at a short length the peak is often set by the gradients, not the workspace); the
-  time outside the ops (Python overhead) and the backward time charged to no op (gradient accumulation,
-  parameter-sized) are the nearer reference's.
+* The workspace beyond the saved bytes (the peak minus static memory without gradients minus saved bytes) is
+  the largest of: linear from the longer reference when ``s`` is beyond it (the logits and the loss; Note:
+  [batch scaling]: at a short length the peak is often set by the gradients, so a fit through both would bend
+  the wrong way); the power through both references (as an op's bytes); and one score op's output, the
+  gradient of the scores a math attention's backward holds beside the saved bytes (hf:gemma2 on CPU: the
+  workspace is the logits' up to 256 tokens, 1 MB, and the scores' gradients at 512, 10 MB). The
+  time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows a line
+  through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny, CPU) and
+  stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient accumulation,
+  parameter-sized) is the nearer reference's.
 
 A scaled profile says so: ``model["extrapolated_from_seq_lens"]`` lists the lengths it was made from, and its
 fingerprint keeps only the structure half (as a batch-scaled one's). :func:`seq_scaling_error` checks the rule
@@ -199,6 +205,13 @@ def _scaled_units(ref: Profile, ops: list) -> list:
     return units
 
 
+def _workspace(refs: tuple[Profile, ...], fit: _Fit, score_bytes: int) -> int:
+    """Note: [sequence scaling] the workspace beyond the saved bytes at ``fit.s``."""
+    spaces = tuple(max(0, r.peak_memory - (r.static.total - r.static.gradients) - r.saved_bytes) for r in refs)
+    linear = spaces[-1] * fit.s / fit.lengths[-1] if fit.s > fit.lengths[-1] or len(refs) == 1 else 0.0
+    return int(round(max(linear, fit.power(spaces) if len(refs) == 2 else 0.0, score_bytes)))
+
+
 def _references(refs: Profile | tuple[Profile, ...], seq_len: int) -> tuple[tuple[Profile, ...], tuple[int, ...]]:
     refs = (refs,) if isinstance(refs, Profile) else tuple(refs)
     if not 1 <= len(refs) <= 2:
@@ -223,14 +236,15 @@ def scale_to_seq_len(refs: Profile | tuple[Profile, ...], seq_len: int) -> Profi
     if lengths == (seq_len,):
         return refs[0]
     fit = _Fit(seq_len, lengths)
-    first, near, top = refs[0], refs[fit.near], refs[-1]
+    first, near = refs[0], refs[fit.near]
     ops = _scaled_ops(refs, fit)
     units = _scaled_units(first, ops)
     no_grads = first.static.total - first.static.gradients
-    workspace = int(round(max(0, top.peak_memory - no_grads - top.saved_bytes) * seq_len / lengths[-1]))
+    workspace = _workspace(refs, fit, max((ops[i].output_bytes for i in score_ops(first)[0]), default=0))
     saved_inputs = int(round(fit.power(tuple(r.saved_input_bytes for r in refs))))
     compute = sum(u.fwd_time + u.bwd_time for u in units)
-    outside = max(0.0, near.step_time - sum(u.fwd_time + u.bwd_time for u in near.units))
+    outside = fit.time(tuple(max(0.0, r.step_time - sum(u.fwd_time + u.bwd_time for u in r.units)) for r in refs),
+                       0.0 if len(refs) == 1 else 1.0)
     fingerprint = first.model.get("fingerprint")
     model = {**first.model, "seq_len": seq_len, "extrapolated_from_seq_lens": list(lengths),
              "fingerprint": fingerprint.partition("-")[0] if isinstance(fingerprint, str) else fingerprint}
