@@ -43,13 +43,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
 
 from profiler import Profile
 
+from ._buckets import SeqLenBucketError, positive_length as _positive, seq_len_bucket
 from ._scaling import _Line, _rel, _same_structure
 
 __all__ = ["scale_to_seq_len", "seq_len_bucket", "SeqLenBucketError", "seq_scaling_error", "SeqScalingCheck",
-           "SEQ_SCALING_TOLERANCE", "score_ops"]
+           "SEQ_SCALING_TOLERANCE", "score_ops", "parse_seq_lens", "profile_for_seq_len"]
 
 SEQ_SCALING_TOLERANCE = 0.1
 """Relative error of the keep-all activation peak and step time a sequence-scaled profile is held to."""
@@ -59,31 +61,34 @@ _MATMUL = ("aten.bmm.", "aten.mm.", "aten.matmul.", "aten.baddbmm.", "aten.addmm
 _ATTENTION_KERNEL = "aten._scaled_dot_product_"
 
 
-class SeqLenBucketError(ValueError):
-    """A sequence length no bucket covers, or bucket lengths that are not positive integers."""
+def parse_seq_lens(value: str | Iterable[int], key: str = "--seq-lens") -> tuple[int, ...]:
+    """Sequence lengths as ``512,1024,2048`` or ints: ascending, each once."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    lengths = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else item
+        number = int(text) if isinstance(text, str) and text.isdigit() else text
+        if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
+            raise SeqLenBucketError(f"{key}={value!r}: expected positive integers separated by commas, e.g. "
+                                    "512,1024,2048,4096")
+        lengths.append(number)
+    if not lengths:
+        raise SeqLenBucketError(f"{key}={value!r}: expected positive integers separated by commas, e.g. 512,1024")
+    return tuple(sorted(set(lengths)))
 
 
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SeqLenBucketError(f"{name}={value!r}: expected a positive integer")
-    return value
-
-
-def seq_len_bucket(seq_len: int, buckets: tuple[int, ...] | None = None) -> int:
-    """The bucket ``seq_len`` falls in: the smallest of ``buckets`` at least ``seq_len`` (default: the powers of
-    two). A length above the largest bucket raises :class:`SeqLenBucketError`."""
-    _positive("seq_len", seq_len)
-    if buckets is None:
-        return 1 << (seq_len - 1).bit_length()
-    sizes = sorted({_positive("seq_len_buckets[]", b) for b in buckets})
-    if not sizes:
-        raise SeqLenBucketError("seq_len_buckets=(): expected at least one bucket length")
-    for size in sizes:
-        if size >= seq_len:
-            return size
-    raise SeqLenBucketError(f"seq_len={seq_len}: above the largest bucket {sizes[-1]} (buckets "
-                            f"{','.join(map(str, sizes))}); expected a length <= {sizes[-1]} or a plan with a "
-                            "longer bucket")
+def profile_for_seq_len(profiles: Mapping[int, Profile], seq_len: int) -> Profile:
+    """The profile at ``seq_len``: given; else scaled from the nearest given lengths below and above it; else (outside
+    them) from the two nearest (Note: [bracketing profiles])."""
+    if seq_len in profiles:
+        return profiles[seq_len]
+    if not profiles:
+        raise ValueError("profiles: expected at least one profile to scale")
+    below = [s for s in profiles if s < seq_len]
+    above = [s for s in profiles if s > seq_len]
+    pair = [max(below), min(above)] if below and above else \
+        sorted(profiles, key=lambda s: (abs(math.log(s / seq_len)), s))[:2]
+    return scale_to_seq_len(tuple(profiles[s] for s in pair), seq_len)
 
 
 def _seq_len(profile: Profile, where: str) -> int:

@@ -28,7 +28,7 @@ EXPECTED: dict[str, set[str]] = {
     "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
                "--micro-batches", "-o", "--output", "--format", "--maximize", "--batch-sizes", "--model",
                "--model-args", "--tensor-parallel", "--virtual-pipeline-stages", "--data-parallel",
-               "--sequence-parallel", "--zero", "--schedule"},
+               "--sequence-parallel", "--zero", "--schedule", "--seq-lens"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
     "estimate": {"--model", "--model-args", "--hardware", "--gpus", "--precision", "--batch-size", "--seq-len",
                  "--ac", "--solver", "--json", "--compile", "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
