@@ -307,8 +307,11 @@ def _profile_at(model: str, model_args: str | dict | None) -> Callable[[Profile,
 
 
 def _search_buckets(profile: Any, seq_lens: str | Iterable[int], model: str | None, model_args: str | dict | None,
-                    on_bucket: Callable[[int, Profile], None] | None, kwargs: dict) -> SearchResult:
+                    on_bucket: Callable[[int, Profile], None] | None, **kwargs: Any) -> SearchResult:
     """:func:`search` on each bucket's profile under the same budget (Note: [plan buckets])."""
+    check_arguments(solver=kwargs["solver"], solver_options=dict(kwargs["solver_options"] or {}),
+                    pipeline_stages=kwargs["pipeline_stages"], micro_batches=kwargs["micro_batches"],
+                    budget=kwargs["budget"], activation_budget=kwargs["activation_budget"])
     if model_args is not None and model is None:
         raise ValueError(f"--model-args={model_args!r} without --model: expected both")
     profiles = seq_len_profiles(profile, seq_lens, None if model is None else _profile_at(model, model_args))
@@ -349,25 +352,14 @@ def search(profile: Profile | str | Path | Iterable[Profile | str | Path], *, bu
     memory beyond the named device's raises :class:`search.DeviceMemoryError` (both ``ValueError``).
 
     ``seq_lens`` (``"512,1024,2048"`` or ints): a plan per sequence-length bucket in one plan (Note: [plan
-    buckets]), each searched under the same budget on ``profile`` (one profile, or several of the model at
-    different lengths) scaled to that length, or on ``model`` (a spec, with ``model_args``) profiled there as
-    the profile was made; ``on_bucket`` is called with each length and its profile before its search. The
-    result is the longest bucket's, with every bucket's in ``buckets``.
+    buckets]), each under the same budget on ``profile`` (one, or several at different lengths) scaled to that
+    length, or on ``model`` (a spec; ``model_args``) profiled there as the profile was made; ``on_bucket(seq_len,
+    profile)`` before each search. The result is the longest bucket's, every bucket's in ``buckets``.
     """
     if seq_lens is not None:
-        kwargs = dict(budget=budget, activation_budget=activation_budget, solver=solver,
-                      solver_options=solver_options, hardware=hardware, pipeline_stages=pipeline_stages,
-                      micro_batches=micro_batches, tensor_parallel=tensor_parallel,
-                      virtual_pipeline_stages=virtual_pipeline_stages, data_parallel=data_parallel,
-                      sequence_parallel=sequence_parallel, zero=zero, schedule=schedule, progress=progress,
-                      on_stage=on_stage)
-        check_arguments(solver=solver, solver_options=dict(solver_options or {}), pipeline_stages=pipeline_stages,
-                        micro_batches=micro_batches, budget=budget, activation_budget=activation_budget)
-        return _search_buckets(profile, seq_lens, model, model_args, on_bucket, kwargs)
-    for key, value in (("model", model), ("model_args", model_args)):
-        if value is not None:
-            raise ValueError(f"{key}={value!r} without seq_lens: expected both (or maximize_throughput for batch "
-                             "sizes)")
+        return _search_buckets(**locals())
+    if model is not None or model_args is not None:
+        raise ValueError(f"model={model!r}, model_args={model_args!r} without seq_lens: expected seq_lens too")
     options = dict(solver_options or {})
     spec = check_arguments(solver=solver, solver_options=options, pipeline_stages=pipeline_stages,
                            micro_batches=micro_batches, budget=budget, activation_budget=activation_budget)
