@@ -79,6 +79,15 @@ def test_one_reference_scales_sizes_by_kind(spec):
             assert a.output_bytes == b.output_bytes, (i, a.op, a.unit)
 
 
+def test_one_reference_time_on_a_model_whose_work_outgrows_the_kernel_latency():
+    """llama-small on fake tensors: one reference scaled 4x up and down, the step time within the tolerance."""
+    p = {s: profiler.profile_step(build_model("llama-small", batch_size=2, seq_len=s, device="meta"))
+         for s in (512, 2048)}
+    for target, ref in ((2048, 512), (512, 2048)):
+        check = seq_scaling_error(p[target], p[ref])
+        assert check.ok and check.activation_error < 0.01, check.describe()
+
+
 def test_score_ops_of_a_math_attention():
     ref = _profile("hf:gemma2", 32)
     scores, work = score_ops(ref)
