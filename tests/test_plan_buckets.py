@@ -226,3 +226,38 @@ def test_run_picks_the_plan_for_its_length(tmp_path, capsys):
     assert code == 0, out
     code, _, err = _cli(capsys, "run", "--model", "llama-tiny", "--seq-len", "200", "--plan", path, "--steps", "1")
     assert code == 2 and "seq_len=200: above the largest bucket 128" in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_step_length_is_dim_1_of_the_first_token_id_tensor():
+    from adaptive_mem.runtime._buckets import seq_len_of
+
+    ids = torch.zeros(2, 37, dtype=torch.long)
+    assert seq_len_of((ids, ids)) == 37
+    assert seq_len_of((), {"input_ids": ids, "attention_mask": torch.ones(2, 37)}) == 37
+    packed = torch.zeros(1, 90, dtype=torch.long)  # three sequences flattened, position_ids restarting
+    assert seq_len_of((), {"input_ids": packed, "position_ids": torch.cat([torch.arange(n) for n in (30, 40, 20)])
+                           .unsqueeze(0)}) == 90
+    assert seq_len_of((torch.randn(4, 12, 8),)) == 12  # no token ids: the first tensor of two or more dims
+    assert seq_len_of((torch.randn(4),)) is None
+
+
+def test_two_profiles_at_different_lengths_on_the_cli(tmp_path, capsys):
+    paths = []
+    for s in (32, 64):
+        paths.append(tmp_path / f"p{s}.json")
+        _fake_profile(s).save(paths[-1])
+    out = tmp_path / "plans.yaml"
+    code, text, _ = _cli(capsys, "search", *paths, "--budget", "5MB", "--seq-lens", "48,128", "-o", out)
+    assert code == 0, text
+    assert "sequence length 48 (scaled from 32, 64):" in text and "sequence length 128 (scaled from 32, 64):" in text
+    assert [s for s, _ in Plan.load(out).buckets] == [48, 128]
+
+
+def test_monotone_in_the_length_on_measured_profiles():
+    """The plan searched at the longest length holds the budget at every shorter one, on measured CPU profiles."""
+    measured = {s: profiler.profile_step(build_model("llama-tiny", seq_len=s, device="cpu"), repeat=1, record=1)
+                for s in (32, 64, 128)}
+    budget = 5_000_000
+    longest = adaptive_mem.search(measured[128], budget=budget).plan
+    for s in (32, 64):
+        assert simulate(measured[s], longest).peak_bytes <= budget, s
