@@ -110,7 +110,7 @@ def _report_stage(stage: StageResult, args: argparse.Namespace) -> None:
 
 def _say_bucket(seq_len: int, profile) -> None:
     made = profile.model.get("extrapolated_from_seq_lens")
-    how = "profiled" if made is None else f"scaled from {', '.join(map(str, made))}"
+    how = "a profile at that length" if made is None else f"scaled from {', '.join(map(str, made))}"
     print(f"sequence length {seq_len} ({how}):")
 
 
