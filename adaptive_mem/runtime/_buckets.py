@@ -98,7 +98,11 @@ class BucketedHandle(OptimizeHandle):
             return
         self._inner.remove()
         self._inner = None
-        self._inner = self._apply(self._plans[bucket], units=self._units)
+        try:
+            self._inner = self._apply(self._plans[bucket], units=self._units)
+        except Exception:  # the model is left plain and says so, not half planned
+            self.remove()
+            raise
         log.info("plan buckets: sequence length %d, the plan of bucket %d (was %d)", s, bucket, self.bucket)
         self.bucket = bucket
         self.switches += 1
