@@ -261,3 +261,26 @@ def test_monotone_in_the_length_on_measured_profiles():
     longest = adaptive_mem.search(measured[128], budget=budget).plan
     for s in (32, 64):
         assert simulate(measured[s], longest).peak_bytes <= budget, s
+
+
+def test_packed_steps_pick_by_their_total_tokens():
+    """Padding-free packing (batch 1, ``position_ids`` restarting per sequence): the bucket of the total tokens."""
+    bundle = build_model("hf:qwen2", seed=0)
+    model = bundle.model
+
+    def step(n: int, seed: int):
+        ids = torch.randint(0, bundle.vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
+        pos = torch.cat([torch.arange(k) for k in (n // 3, n // 3, n - 2 * (n // 3))]).unsqueeze(0)
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, position_ids=pos, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+    totals = (90, 30, 120, 60)
+    refs = [step(n, i) for i, n in enumerate(totals)]
+    with optimize(model, plan=_hf_buckets()) as handle:
+        for i, n in enumerate(totals):
+            loss, grads = step(n, i)
+            assert handle.bucket == (128, 32, 128, 64)[i]
+            assert torch.equal(loss, refs[i][0])
+            assert all(torch.equal(grads[k], g) for k, g in refs[i][1].items())
