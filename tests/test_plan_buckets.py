@@ -150,6 +150,8 @@ def test_cli_writes_one_plan_file_with_a_plan_per_bucket(tmp_path, capsys):
     (["--seq-lens", "16", "--format", "megatron"], "--format='megatron' with --seq-lens: expected plan"),
     (["--seq-lens", "16", "--maximize", "throughput"], "--seq-lens='16' with --maximize throughput: expected one"),
     (["--model", "llama-tiny"], "--model='llama-tiny' without --maximize throughput or --seq-lens"),
+    (["--seq-lens", "16", "--batch-sizes", "1,2"], "--batch-sizes='1,2' with --seq-lens: expected --maximize"),
+    (["--batch-sizes", "1,2"], "--batch-sizes='1,2' without --maximize throughput: expected both"),
 ])
 def test_cli_refusals(tmp_path, capsys, extra, message):
     prof = tmp_path / "p.json"

@@ -118,6 +118,9 @@ def _run_buckets(args: argparse.Namespace) -> int:
     """``--seq-lens``: a plan per bucket in one plan file (Note: [plan buckets])."""
     if args.maximize is not None:
         raise ValueError(f"--seq-lens={args.seq_lens!r} with --maximize {args.maximize}: expected one of them")
+    if args.batch_sizes is not None:
+        raise ValueError(f"--batch-sizes={args.batch_sizes!r} with --seq-lens: expected --maximize throughput for "
+                         "batch sizes (a plan per length keeps the profile's batch size)")
     if args.format != "plan":
         raise ValueError(f"--format={args.format!r} with --seq-lens: expected plan (one file holding a plan per "
                          "bucket)")
@@ -141,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
         return _run_buckets(args)
     if args.maximize is not None:
         return run_throughput(args, write=_write)
-    for value, flag in ((args.batch_sizes, "--batch-sizes"), (args.model, "--model"), (args.model_args, "--model-args")):
+    if args.batch_sizes is not None:
+        raise ValueError(f"--batch-sizes={args.batch_sizes!r} without --maximize throughput: expected both")
+    for value, flag in ((args.model, "--model"), (args.model_args, "--model-args")):
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --maximize throughput or --seq-lens: expected one of them")
     if len(args.profile) > 1:
