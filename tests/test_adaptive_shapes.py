@@ -14,6 +14,7 @@ import torch
 import adaptive_mem
 from adaptive_mem import DeviceMemory, adaptive_optimize, apply_arguments, build_model
 from adaptive_mem.adaptive._plan_cache import PlanCache, plan_key
+from adaptive_mem.runtime._accounting import host_allocations
 from search.planning import SeqLenBucketError
 
 from _adaptive_common import assert_grads, optimizer
@@ -38,7 +39,7 @@ def _batch(b, step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _reference(spec: str) -> tuple[list[dict[str, torch.Tensor]], int]:
-    """Per-step gradients without the loop, and the plain peak at the longest length."""
+    """Per-step gradients without the loop (kept on the host side), and its plain peak."""
     b = _bundle(spec)
     opt = optimizer(b.model)
     grads, peak = [], 0
@@ -48,7 +49,8 @@ def _reference(spec: str) -> tuple[list[dict[str, torch.Tensor]], int]:
             mem.reset_peak()
             b.loss(_batch(b, step, seq)).backward()
             peak = max(peak, mem.peak)
-            grads.append({n: p.grad.clone() for n, p in b.model.named_parameters()})
+            with host_allocations():
+                grads.append({n: p.grad.clone() for n, p in b.model.named_parameters()})
             opt.step()
             opt.zero_grad(set_to_none=True)
     return grads, peak
@@ -101,7 +103,7 @@ def test_max_seq_len_plans_the_longest_length_from_the_first_step(llama):
 
 def test_hf_qwen2_cycling_lengths_and_max_seq_len():
     grads, peak = _reference("hf:qwen2")
-    budget = int(0.8 * peak)
+    budget = int(0.75 * peak)
     am = _train("hf:qwen2", budget, grads)
     assert am.profiles_run == 1 and len(_rescued(am)) <= 2, [r.decision for r in am.history]
     am = _train("hf:qwen2", budget, grads, max_seq_len=128)

@@ -72,7 +72,8 @@ class BucketWarmup:
         """A longer bucket's plan, with none in force, applied for this step (Note: [a plan applied before the
         forward]); the step then judges it. Under data parallelism the group applies it at the step's end."""
         state = self.state
-        if state.kind != "bucket" or self._handle is not None or not state.pending or self.ranks.active:
+        if state.kind != "bucket" or state.pending is None or state.pending is False or self._handle is not None \
+                or self.ranks.active:
             return
         log.info("adaptive memory: %s", describe_pending(state))
         before = list(self.model._forward_pre_hooks.values())
