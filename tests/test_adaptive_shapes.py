@@ -145,6 +145,25 @@ def test_explicit_buckets_and_cache_keys_per_bucket(tmp_path):
     assert {c.fields["seq_len_bucket"] for c in saved} <= {48, 128} and saved, list(tmp_path.iterdir())
 
 
+def test_dp_ranks_stepping_different_lengths_agree_on_one_plan_and_stay_exact(tmp_path):
+    """Note: [one bucket per DP group]: the bucket follows the group's longest length of each step."""
+    from _parallel_shapes_cases import LENGTHS, TIMEOUT, worker
+    from _spawn import spawn_ranks
+
+    ranks = spawn_ranks(worker, BUDGET, out=tmp_path, timeout=TIMEOUT)
+    for rank, r in enumerate(ranks):
+        for case in ("plain", "loop"):
+            assert r[case]["error"] is None, f"rank {rank} {case}: {r[case]['error']}\n{r[case].get('trace')}"
+        for step in range(len(LENGTHS[0])):
+            for n, g in r["plain"]["grads"][step].items():
+                assert torch.equal(r["loop"]["grads"][step][n], g), f"rank {rank} step {step + 1}: {n} differs"
+    first, second = (r["loop"] for r in ranks)
+    assert first["plans"] == second["plans"], "the ranks ran different plans"
+    assert [h["decision"] for h in first["history"]] == [h["decision"] for h in second["history"]]
+    assert first["profiles"] == second["profiles"] == 1
+    assert first["plans"][-1] is not None and first["plans"][-1]["decisions"]
+
+
 def _args(flags: list[str]) -> argparse.Namespace:
     return adaptive_mem.add_arguments(argparse.ArgumentParser()).parse_args(flags)
 

@@ -18,6 +18,11 @@ Note: [longer than the maximum] a step longer than ``--max-seq-len`` (or the lar
 error before its forward, not a warning: the one plan was searched for the maximum, a longer step could run out of
 memory or be rescued every time, and a length past the declared maximum is most often a data bug (no truncation).
 
+Note: [one bucket per DP group] the data-parallel ranks run one plan (Note: [one decision per DP group]) and decide
+together after each step, yet dynamic padding gives each rank its own length: the bucket and the search moves
+follow the group's longest length of the step (one all-reduce of it per step), so every rank takes the same
+bucket and the same decision; a rank's own length only names its inputs' shapes and its profiles.
+
 Note: [clean steps below the longest] a step without rescues shows that its plan fits at the step's length, not at
 a longer one: only a clean step at the longest length its bucket has run moves (relaxes or converges) the bucket's
 target search; a rescue at any length tightens it.
@@ -85,6 +90,8 @@ class Shape:
     """The inputs' shapes with their length left out: buckets of one form differ in length only."""
     seq_len: int | None
     """The step's sequence length (None: no integer input of two dims)."""
+    group_len: int | None
+    """The longest of the step's lengths over the data-parallel group (Note: [one bucket per DP group])."""
     bucket: int | None
     """The length the bucket's plans are for (None: the exact shapes)."""
 
@@ -121,23 +128,26 @@ class ShapeBuckets:
     measured: dict[tuple, dict[int, Any]] = field(default_factory=dict)
     """Profiles taken, per form, by the sequence length they were taken at."""
 
-    def shape(self, tensors: Sequence[torch.Tensor]) -> Shape:
-        """The :class:`Shape` of a step on ``tensors``; a length past the largest bucket raises a ValueError."""
+    def shape(self, tensors: Sequence[torch.Tensor], ranks: Any) -> Shape:
+        """The :class:`Shape` of a step on ``tensors`` in the group of ``ranks`` (a ``_ranks.RankGroup``); a length
+        past the largest bucket raises a ValueError."""
         from search.planning import SeqLenBucketError, seq_len_bucket
 
-        seq_len = seq_len_of(tensors)
+        seq_len = group_len = seq_len_of(tensors)
         bucket = None
+        if seq_len is not None and ranks.active:  # Note: [one bucket per DP group]
+            group_len = ranks.reduce_max([seq_len])[0]
         if seq_len is not None:
             lengths = (self.max_seq_len,) if self.max_seq_len is not None else self.lengths
             try:
-                bucket = seq_len_bucket(seq_len, lengths)
+                bucket = seq_len_bucket(group_len, lengths)
             except SeqLenBucketError:  # Note: [longer than the maximum]
                 flag = "--max-seq-len" if self.max_seq_len is not None else "--seq-len-buckets"
-                raise SeqLenBucketError(f"{flag}={','.join(map(str, lengths))}: a step of {seq_len} tokens; expected "
+                raise SeqLenBucketError(f"{flag}={','.join(map(str, lengths))}: a step of {group_len} tokens; expected "
                                         f"at most {lengths[-1]} (a larger {flag}, or shorter inputs)") from None
         key = tuple((tuple(bucketed_shape(t.shape, seq_len, bucket)), t.dtype) for t in tensors)
         form = tuple((tuple(bucketed_shape(t.shape, seq_len, -1)), t.dtype) for t in tensors)
-        return Shape(key=key, form=form, seq_len=seq_len, bucket=bucket)
+        return Shape(key=key, form=form, seq_len=seq_len, group_len=group_len, bucket=bucket)
 
     def governing(self, shape: Shape, current: Bucket | None) -> Bucket | None:
         """The bucket whose plan a step of ``shape`` runs under: ``current`` where it covers the step, else the
@@ -180,7 +190,7 @@ error before its forward, not a warning: the one plan was searched for the maxim
 memory or be rescued every time, and a length past the declared maximum is most often a data bug (no truncation).
 
 Note: [clean steps below the longest])."""
-        return rescued or shape.seq_len is None or shape.seq_len >= bucket.longest
+        return rescued or shape.group_len is None or shape.group_len >= bucket.longest
 
     def converged_at(self) -> int | None:
         """The step after which every bucket's target stopped moving (None while one is searching)."""

@@ -229,7 +229,7 @@ class AdaptiveMemory(BucketWarmup):
             self.budget = default_budget(self.hook, self.device)
         self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        shape = self._shape = self.buckets.shape(tensors)
+        shape = self._shape = self.buckets.shape(tensors, self.ranks)
         self.state.kind = "steady" if self.converged else "adapt"
         governing = self.buckets.governing(shape, self._bucket)  # Note: [the plan of the longest bucket]
         if governing is None or governing is not self._bucket:
@@ -237,7 +237,7 @@ class AdaptiveMemory(BucketWarmup):
             self._apply_before_forward(args, kwargs)
         elif self.state.needs_profile:
             self._plan_from_profile(args, kwargs)
-        self._bucket.longest = max(self._bucket.longest, shape.seq_len or 0)
+        self._bucket.longest = max(self._bucket.longest, shape.group_len or 0)
         self.meter.start()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
