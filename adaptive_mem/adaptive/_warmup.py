@@ -44,7 +44,7 @@ class BucketWarmup:
         state = self.state = self._bucket.state
         self.planner, self.cache_entry = self._bucket.planner, self._bucket.cache_entry
         if known is not None:
-            state.pending, state.kind = known.plan, "bucket"
+            state.pending, state.kind = known.plan if known.plan is not self.plan else False, "bucket"
             return
         self.cache_entry.select(self.model, inputs=tensors, budget=self.budget, structure=self._structure,
                                 parallel=layout_sizes(self.parallel, self.ranks, self.model), bucket=shape.bucket)
