@@ -15,7 +15,7 @@ from ._throughput import BatchSizesError, ThroughputResult, ThroughputRow, maxim
 
 __all__ = ["Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
            "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",
-           "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel", "ThroughputResult",
-           "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput", "merge_plans",
-           "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
+           "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel",
+           "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput",
+           "merge_plans", "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
            "scale_to_seq_len", "scaling_error", "seq_len_bucket", "simulate", "solver_names"]

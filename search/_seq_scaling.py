@@ -16,11 +16,20 @@ exponent ``k`` in ``[0, 2]`` (``v ~ s^k``: 0 a constant such as a fixed table, 1
   times that fall with the length (noise) scale from the longer reference by ``(s / s2)^k`` instead.
 * From one profile at ``s1``: bytes are linear except the score ops' (Note: [score ops by kind]), quadratic;
   times and FLOPs are linear except the score ops', the attention kernels' (``aten._scaled_dot_product_*``)
-  and the matmuls that read a score op (``probs @ v``), quadratic.
-* The workspace beyond the saved bytes (the logits and the loss) scales linearly from the longer reference
-  (Note: [batch scaling]: at a short length the peak is often set by the gradients, not the workspace); the
-  time outside the ops (Python overhead) and the backward time charged to no op (gradient accumulation,
-  parameter-sized) are the nearer reference's.
+  and the matmuls that read a score op (``probs @ v``), quadratic. A time's part up to the spec's
+  ``kernel_latency`` (twice it in backward: about two kernels per op, the input's gradient and the weight's)
+  stays: it does not grow with the work (llama-small, fake tensors, 512 to 2048 tokens: step time off by 6 %;
+  llama-tiny, 32 to 128, where almost every op is that latency: off by 60 %, two references: 0 %).
+* The workspace beyond the saved bytes (the peak minus static memory without gradients minus saved bytes) is
+  the largest of: linear from the longer reference when ``s`` is beyond it (the logits and the loss; Note:
+  [batch scaling]: at a short length the peak is often set by the gradients, so a fit through both would bend
+  the wrong way); the power through both references (as an op's bytes); and one score op's output, the
+  gradient of the scores a math attention's backward holds beside the saved bytes (hf:gemma2 on CPU: the
+  workspace is the logits' up to 256 tokens, 1 MB, and the scores' gradients at 512, 10 MB). The
+  time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows a line
+  through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny, CPU) and
+  stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient accumulation,
+  parameter-sized) is the nearer reference's.
 
 A scaled profile says so: ``model["extrapolated_from_seq_lens"]`` lists the lengths it was made from, and its
 fingerprint keeps only the structure half (as a batch-scaled one's). :func:`seq_scaling_error` checks the rule
@@ -37,13 +46,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Iterable, Mapping
 
 from profiler import Profile
 
+from ._buckets import SeqLenBucketError, positive_length as _positive, seq_len_bucket
 from ._scaling import _Line, _rel, _same_structure
 
 __all__ = ["scale_to_seq_len", "seq_len_bucket", "SeqLenBucketError", "seq_scaling_error", "SeqScalingCheck",
-           "SEQ_SCALING_TOLERANCE", "score_ops"]
+           "SEQ_SCALING_TOLERANCE", "score_ops", "parse_seq_lens", "profile_for_seq_len"]
 
 SEQ_SCALING_TOLERANCE = 0.1
 """Relative error of the keep-all activation peak and step time a sequence-scaled profile is held to."""
@@ -53,31 +64,34 @@ _MATMUL = ("aten.bmm.", "aten.mm.", "aten.matmul.", "aten.baddbmm.", "aten.addmm
 _ATTENTION_KERNEL = "aten._scaled_dot_product_"
 
 
-class SeqLenBucketError(ValueError):
-    """A sequence length no bucket covers, or bucket lengths that are not positive integers."""
+def parse_seq_lens(value: str | Iterable[int], key: str = "--seq-lens") -> tuple[int, ...]:
+    """Sequence lengths as ``512,1024,2048`` or ints: ascending, each once."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    lengths = []
+    for item in items:
+        text = item.strip() if isinstance(item, str) else item
+        number = int(text) if isinstance(text, str) and text.isdigit() else text
+        if isinstance(number, bool) or not isinstance(number, int) or number <= 0:
+            raise SeqLenBucketError(f"{key}={value!r}: expected positive integers separated by commas, e.g. "
+                                    "512,1024,2048,4096")
+        lengths.append(number)
+    if not lengths:
+        raise SeqLenBucketError(f"{key}={value!r}: expected positive integers separated by commas, e.g. 512,1024")
+    return tuple(sorted(set(lengths)))
 
 
-def _positive(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise SeqLenBucketError(f"{name}={value!r}: expected a positive integer")
-    return value
-
-
-def seq_len_bucket(seq_len: int, buckets: tuple[int, ...] | None = None) -> int:
-    """The bucket ``seq_len`` falls in: the smallest of ``buckets`` at least ``seq_len`` (default: the powers of
-    two). A length above the largest bucket raises :class:`SeqLenBucketError`."""
-    _positive("seq_len", seq_len)
-    if buckets is None:
-        return 1 << (seq_len - 1).bit_length()
-    sizes = sorted({_positive("seq_len_buckets[]", b) for b in buckets})
-    if not sizes:
-        raise SeqLenBucketError("seq_len_buckets=(): expected at least one bucket length")
-    for size in sizes:
-        if size >= seq_len:
-            return size
-    raise SeqLenBucketError(f"seq_len={seq_len}: above the largest bucket {sizes[-1]} (buckets "
-                            f"{','.join(map(str, sizes))}); expected a length <= {sizes[-1]} or a plan with a "
-                            "longer bucket")
+def profile_for_seq_len(profiles: Mapping[int, Profile], seq_len: int) -> Profile:
+    """The profile at ``seq_len``: given; else scaled from the nearest given lengths below and above it; else (outside
+    them) from the two nearest (Note: [bracketing profiles])."""
+    if seq_len in profiles:
+        return profiles[seq_len]
+    if not profiles:
+        raise ValueError("profiles: expected at least one profile to scale")
+    below = [s for s in profiles if s < seq_len]
+    above = [s for s in profiles if s > seq_len]
+    pair = [max(below), min(above)] if below and above else \
+        sorted(profiles, key=lambda s: (abs(math.log(s / seq_len)), s))[:2]
+    return scale_to_seq_len(tuple(profiles[s] for s in pair), seq_len)
 
 
 def _seq_len(profile: Profile, where: str) -> int:
@@ -145,10 +159,13 @@ class _Fit:
         k = self.exponent(*values) if k is None else k
         return values[self.near] * (self.s / self.lengths[self.near]) ** k
 
-    def time(self, values: tuple[float, ...], k: float) -> float:
-        """``t = c0 + c s^k`` through both references (``c >= 0``), else ``t ~ s^k``."""
+    def time(self, values: tuple[float, ...], k: float, latency: float = 0.0) -> float:
+        """``t = c0 + c s^k`` through both references (``c >= 0``); from one, ``t - latency ~ s^k`` (Note:
+        [sequence scaling])."""
         if len(values) == 1 or k == 0:
-            return values[self.near] * (self.s / self.lengths[self.near]) ** k
+            t = values[self.near]
+            fixed = min(t, latency) if k else 0.0
+            return fixed + (t - fixed) * (self.s / self.lengths[self.near]) ** k
         (s1, s2), (t1, t2) = self.lengths, values
         if t2 <= t1:
             return t2 * (self.s / s2) ** k
@@ -158,6 +175,7 @@ class _Fit:
 
 def _scaled_ops(refs: tuple[Profile, ...], fit: _Fit) -> list:
     first = refs[0]
+    latency = first.hardware.kernel_latency
     if len(refs) == 1:
         scores, work = score_ops(first)
     out = []
@@ -178,8 +196,8 @@ def _scaled_ops(refs: tuple[Profile, ...], fit: _Fit) -> list:
                 kt = 1.0
         out.append(replace(op, output_bytes=int(round(size["output_bytes"])),
                            saved_bytes=int(round(size["saved_bytes"])), flops=int(round(flops)),
-                           fwd_time=fit.time(tuple(o.fwd_time for o in rops), kt),
-                           bwd_time=fit.time(tuple(o.bwd_time for o in rops), kt)))
+                           fwd_time=fit.time(tuple(o.fwd_time for o in rops), kt, latency),
+                           bwd_time=fit.time(tuple(o.bwd_time for o in rops), kt, 2 * latency)))
     return out
 
 
@@ -197,6 +215,13 @@ def _scaled_units(ref: Profile, ops: list) -> list:
                              saved_bytes=int(round(new["saved_bytes"])), fwd_time=new["fwd_time"],
                              bwd_time=new["bwd_time"]))
     return units
+
+
+def _workspace(refs: tuple[Profile, ...], fit: _Fit, score_bytes: int) -> int:
+    """Note: [sequence scaling] the workspace beyond the saved bytes at ``fit.s``."""
+    spaces = tuple(max(0, r.peak_memory - (r.static.total - r.static.gradients) - r.saved_bytes) for r in refs)
+    linear = spaces[-1] * fit.s / fit.lengths[-1] if fit.s > fit.lengths[-1] or len(refs) == 1 else 0.0
+    return int(round(max(linear, fit.power(spaces) if len(refs) == 2 else 0.0, score_bytes)))
 
 
 def _references(refs: Profile | tuple[Profile, ...], seq_len: int) -> tuple[tuple[Profile, ...], tuple[int, ...]]:
@@ -223,14 +248,15 @@ def scale_to_seq_len(refs: Profile | tuple[Profile, ...], seq_len: int) -> Profi
     if lengths == (seq_len,):
         return refs[0]
     fit = _Fit(seq_len, lengths)
-    first, near, top = refs[0], refs[fit.near], refs[-1]
+    first, near = refs[0], refs[fit.near]
     ops = _scaled_ops(refs, fit)
     units = _scaled_units(first, ops)
     no_grads = first.static.total - first.static.gradients
-    workspace = int(round(max(0, top.peak_memory - no_grads - top.saved_bytes) * seq_len / lengths[-1]))
+    workspace = _workspace(refs, fit, max((ops[i].output_bytes for i in score_ops(first)[0]), default=0))
     saved_inputs = int(round(fit.power(tuple(r.saved_input_bytes for r in refs))))
     compute = sum(u.fwd_time + u.bwd_time for u in units)
-    outside = max(0.0, near.step_time - sum(u.fwd_time + u.bwd_time for u in near.units))
+    outside = fit.time(tuple(max(0.0, r.step_time - sum(u.fwd_time + u.bwd_time for u in r.units)) for r in refs),
+                       0.0 if len(refs) == 1 else 1.0)
     fingerprint = first.model.get("fingerprint")
     model = {**first.model, "seq_len": seq_len, "extrapolated_from_seq_lens": list(lengths),
              "fingerprint": fingerprint.partition("-")[0] if isinstance(fingerprint, str) else fingerprint}

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
+import torch
 
 import profiler
 from adaptive_mem._model_spec import build_model
 from search import SeqLenBucketError, StepModel, scale_to_seq_len, seq_len_bucket
-from search.planning import SeqScalingCheck, activation_peak, keep_all, score_ops, seq_scaling_error
+from search.planning import (SEQ_SCALING_TOLERANCE, SeqScalingCheck, activation_peak, keep_all, score_ops,
+                             seq_scaling_error)
 
 
 # ---------------------------------------------------------------- buckets
@@ -77,6 +80,15 @@ def test_one_reference_scales_sizes_by_kind(spec):
             assert a.output_bytes == b.output_bytes, (i, a.op, a.unit)
 
 
+def test_one_reference_time_on_a_model_whose_work_outgrows_the_kernel_latency():
+    """llama-small on fake tensors: one reference scaled 4x up and down, the step time within the tolerance."""
+    p = {s: profiler.profile_step(build_model("llama-small", batch_size=2, seq_len=s, device="meta"))
+         for s in (512, 2048)}
+    for target, ref in ((2048, 512), (512, 2048)):
+        check = seq_scaling_error(p[target], p[ref])
+        assert check.ok and check.activation_error < 0.01, check.describe()
+
+
 def test_score_ops_of_a_math_attention():
     ref = _profile("hf:gemma2", 32)
     scores, work = score_ops(ref)
@@ -106,3 +118,42 @@ def test_check_describes_itself():
     assert not check.ok
     assert check.describe() == ("scaling check: sequence length 128 measured vs extrapolated from 32, 64: "
                                 "activation peak off by 0.1%, step time by 20.0% (above 10%)")
+
+
+# ---------------------------------------------------------------- against a third measured length, real CPU profiles
+CPU_TIME_TOLERANCE = 0.5
+"""The step-time tolerance on CPU profiles measured here. On a shared 2-core machine the same length profiled twice
+differs by up to 30 % in step time (the time outside the ops most), so each length is profiled twice and every time
+taken at its least (contention only adds time); what is left still cannot be told from the rule's 10 %
+(``SEQ_SCALING_TOLERANCE``, met on fake-tensor profiles above). Activations are exact to measure: held to 10 %."""
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_profile(spec: str, seq_len: int) -> profiler.Profile:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runs = [profiler.profile_step(build_model(spec, batch_size=2, seq_len=seq_len, device="cpu"), warmup=2,
+                                      repeat=5, record=5) for _ in range(2)]
+    finally:
+        torch.set_num_threads(threads)
+    a, b = runs
+    ops = [dataclasses.replace(x, fwd_time=min(x.fwd_time, y.fwd_time), bwd_time=min(x.bwd_time, y.bwd_time))
+           for x, y in zip(a.ops, b.ops)]
+    units = [dataclasses.replace(u, fwd_time=sum(ops[i].fwd_time for i in u.ops),
+                                 bwd_time=sum(ops[i].bwd_time for i in u.ops)) for u in a.units]
+    return dataclasses.replace(a, ops=ops, units=units, step_time=min(a.step_time, b.step_time))
+
+
+@pytest.mark.parametrize("spec, timed", [("llama-tiny", True), ("hf:qwen2", True), ("hf:gemma2", False)])
+def test_measured_cpu_profiles_at_a_third_length(spec, timed):
+    """Two measured lengths scaled to a third (beyond, below and between them) against its measured profile; hf:gemma2
+    (math attention: its score gradients set the peak at 512 tokens) for the activations only, its step's time
+    outside the ops (the allocator on its score tensors) swinging 10-50 ms between runs here."""
+    p = {s: _cpu_profile(spec, s) for s in (128, 256, 512)}
+    for target, refs in ((512, (128, 256)), (128, (256, 512)), (256, (128, 512))):
+        check = seq_scaling_error(p[target], tuple(p[s] for s in refs))
+        assert check.activation_error <= SEQ_SCALING_TOLERANCE, check.describe()
+        assert not timed or check.time_error <= CPU_TIME_TOLERANCE, check.describe()
+    one = seq_scaling_error(p[512], p[256])  # one reference: linear, score ops quadratic
+    assert one.activation_error <= SEQ_SCALING_TOLERANCE, one.describe()
