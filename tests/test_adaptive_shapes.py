@@ -181,8 +181,8 @@ def _args(flags: list[str]) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--adaptive-memory-optimization", "--seq-len-buckets", "256,128"], "--seq-len-buckets='256,128': expected"),
-    (["--adaptive-memory-optimization", "--seq-len-buckets", "a,b"], "expected increasing positive lengths"),
+    (["--adaptive-memory-optimization", "--seq-len-buckets", "128,0"], "--seq-len-buckets='128,0': expected"),
+    (["--adaptive-memory-optimization", "--seq-len-buckets", "a,b"], "expected positive integers"),
     (["--adaptive-memory-optimization", "--max-seq-len", "0"], "--max-seq-len=0: expected a positive"),
     (["--adaptive-memory-optimization", "--max-seq-len", "128", "--seq-len-buckets", "64,128"], "expected one of"),
     (["--max-seq-len", "128"], "without --adaptive-memory-optimization"),

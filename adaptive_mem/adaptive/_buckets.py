@@ -1,8 +1,8 @@
 """The adaptive loop's plans per sequence-length bucket: which bucket a step's inputs fall in, which bucket's plan
 it runs under, and what the loop keeps for each bucket (its target search, planner, cache entry and profile).
 
-A step's length is dim 1 of its first integer tensor of at least two dims (``input_ids`` ``[batch, seq]``;
-packed sequences: the total tokens). Its bucket is ``search.planning.seq_len_bucket`` of the length (powers of
+A step's length is ``runtime._buckets.seq_len_of`` of its inputs (dim 1 of ``input_ids`` ``[batch, seq]``; packed
+sequences: the total tokens). Its bucket is ``search.planning.seq_len_bucket`` of the length (powers of
 two, or the lengths given); with a maximum length there is one bucket, the maximum. A bucket's plans are searched
 for the bucket's length, the longest it holds. Inputs without a length are a bucket of their exact shapes.
 
@@ -35,18 +35,11 @@ from typing import Any, Sequence
 
 import torch
 
+from adaptive_mem.runtime._buckets import seq_len_of
 from ._planner import Planner
 from ._target_search import SearchState
 
-__all__ = ["Shape", "Bucket", "ShapeBuckets", "seq_len_of", "bucketed_shape", "check_seq_lens"]
-
-
-def seq_len_of(tensors: Sequence[torch.Tensor]) -> int | None:
-    """Dim 1 of the first integer tensor with at least two dims (None: no such input)."""
-    for t in tensors:
-        if t.dim() >= 2 and not t.is_floating_point() and not t.is_complex() and t.dtype is not torch.bool:
-            return int(t.shape[1])
-    return None
+__all__ = ["Shape", "Bucket", "ShapeBuckets", "bucketed_shape", "check_seq_lens"]
 
 
 def bucketed_shape(shape: Sequence[int], seq_len: int | None, bucket: int | None) -> list[int]:
@@ -68,16 +61,9 @@ def check_seq_lens(seq_len_buckets: Any, max_seq_len: Any) -> tuple[tuple[int, .
             raise ValueError(f"--max-seq-len={max_seq_len!r}: expected a positive number of tokens")
     if seq_len_buckets is None:
         return None, max_seq_len
-    items = seq_len_buckets.split(",") if isinstance(seq_len_buckets, str) else list(seq_len_buckets)
-    try:
-        lengths = tuple(int(x) for x in items)
-    except (TypeError, ValueError):
-        lengths = ()
-    if not lengths or any(isinstance(x, bool) for x in items) or any(n <= 0 for n in lengths) \
-            or list(lengths) != sorted(set(lengths)):
-        raise ValueError(f"--seq-len-buckets={seq_len_buckets!r}: expected increasing positive lengths like "
-                         "128,256,512")
-    return lengths, None
+    from search.planning import parse_seq_lens
+
+    return parse_seq_lens(seq_len_buckets, key="--seq-len-buckets"), None
 
 
 @dataclass(frozen=True)
@@ -129,11 +115,11 @@ class ShapeBuckets:
     """Profiles taken, per form, by the sequence length they were taken at."""
 
     def shape(self, tensors: Sequence[torch.Tensor], ranks: Any) -> Shape:
-        """The :class:`Shape` of a step on ``tensors`` in the group of ``ranks`` (a ``_ranks.RankGroup``); a length
-        past the largest bucket raises a ValueError."""
+        """The :class:`Shape` of a step on ``tensors`` (its inputs flattened) in the group of ``ranks`` (a
+        ``_ranks.RankGroup``); a length past the largest bucket raises a ValueError."""
         from search.planning import SeqLenBucketError, seq_len_bucket
 
-        seq_len = group_len = seq_len_of(tensors)
+        seq_len = group_len = seq_len_of(tuple(tensors))
         bucket = None
         if seq_len is not None and ranks.active:  # Note: [one bucket per DP group]
             group_len = ranks.reduce_max([seq_len])[0]
@@ -142,6 +128,8 @@ class ShapeBuckets:
             try:
                 bucket = seq_len_bucket(group_len, lengths)
             except SeqLenBucketError:  # Note: [longer than the maximum]
+                if lengths is None or group_len <= 0:
+                    raise
                 flag = "--max-seq-len" if self.max_seq_len is not None else "--seq-len-buckets"
                 raise SeqLenBucketError(f"{flag}={','.join(map(str, lengths))}: a step of {group_len} tokens; expected "
                                         f"at most {lengths[-1]} (a larger {flag}, or shorter inputs)") from None

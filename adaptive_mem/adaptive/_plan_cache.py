@@ -44,10 +44,11 @@ def plan_key(model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int,
     """``(key, described fields)`` for ``model`` stepping on ``inputs`` under ``budget`` bytes; with ``bucket``
     the plan is for every sequence length up to it: the inputs' length is recorded as the bucket's."""
     from adaptive_mem._version import __version__
-    from ._buckets import bucketed_shape, seq_len_of
+    from adaptive_mem.runtime._buckets import seq_len_of
+    from ._buckets import bucketed_shape
 
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
-    seq_len = seq_len_of(inputs) if bucket is not None else None
+    seq_len = seq_len_of(tuple(inputs)) if bucket is not None else None
     fields = {
         "structure": structure or structure_fingerprint(model),
         "inputs": [[bucketed_shape(t.shape, seq_len, bucket), str(t.dtype).removeprefix("torch.")] for t in inputs],
