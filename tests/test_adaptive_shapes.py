@@ -135,6 +135,22 @@ def test_a_step_longer_than_the_maximum_is_an_error_before_its_forward():
         assert am.profiles_run == 1 and len(am.history) == 2
 
 
+def test_a_longer_bucket_below_the_minimum_is_refused_naming_its_length():
+    b = _bundle("llama-tiny")
+    opt = optimizer(b.model)
+    budget = int(2.4 * 2**20)  # the plain step at 32 tokens fits, no plan at 128 does
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
+        with DeviceMemory(cap=budget, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            b.loss(_batch(b, 0, 32)).backward()
+            opt.zero_grad(set_to_none=True)
+            with pytest.raises(adaptive_mem.AdaptiveBudgetError, match="at 128 tokens .the profile at 32 tokens"):
+                b.loss(_batch(b, 1, 128))
+            assert all(p.grad is None for p in b.model.parameters())
+            b.loss(_batch(b, 2, 32)).backward()  # the shorter steps go on under their plan
+        assert am.profiles_run == 1 and len(am.history) == 2
+
+
 def test_explicit_buckets_and_cache_keys_per_bucket(tmp_path):
     b = _bundle("llama-tiny")
     ids = [t for t in _batch(b, 0, 100)]

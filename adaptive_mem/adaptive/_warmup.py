@@ -19,6 +19,7 @@ from search.planning import scale_to_seq_len
 from adaptive_mem.runtime._spill import HostBudget
 from ._adapt import describe_pending
 from ._buckets import Bucket, Shape
+from ._measure import AdaptiveBudgetError
 from ._entry import run_added
 from ._plan_cache import CacheEntry, layout_sizes
 from ._planner import Planner
@@ -59,7 +60,12 @@ class BucketWarmup:
             log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
                      self.cache_entry.path(), fmt_bytes(cached.target, exact=True))
         elif refs:  # a new bucket costs a search, not a profile
-            self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
+            try:
+                self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
+            except AdaptiveBudgetError as exc:  # the steps so far fitted: name the length that does not
+                taken = ", ".join(str(r.model["seq_len"]) for r in refs)
+                raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profile at {taken} tokens scaled): "
+                                          f"expected a larger budget or shorter sequences") from None
             state.kind = "bucket"
         elif self._handle is not None:
             state.pending = None  # profile the plain model at the next step
