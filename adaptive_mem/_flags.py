@@ -22,12 +22,13 @@ __all__ = ["add_arguments", "add_memory_arguments", "apply_arguments"]
 log = logging.getLogger(__name__)
 
 _MEMORY_FLAGS = ("--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache",
-                 "--adaptive-batch-size")
+                 "--adaptive-batch-size", "--seq-len-buckets", "--max-seq-len")
 
 
 def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add ``--adaptive-memory-optimization``, ``--memory-budget``, ``--memory-plan``, ``--memory-plan-cache``,
-    ``--adaptive-batch-size``, ``--host-memory-budget``, ``--compile [BACKEND]``."""
+    ``--adaptive-batch-size``, ``--seq-len-buckets``, ``--max-seq-len``, ``--host-memory-budget``,
+    ``--compile [BACKEND]``."""
     group = parser.add_argument_group("memory optimization (adaptive-mem)")
     have = set(getattr(parser, "_option_string_actions", {}))
     if "--adaptive-memory-optimization" not in have:
@@ -47,6 +48,14 @@ def add_memory_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         group.add_argument("--adaptive-batch-size", action="store_true",
                            help="with --adaptive-memory-optimization: grow the micro-batch to the largest the budget "
                                 "allows, keeping the global batch (--batch-size) by gradient accumulation")
+    if "--seq-len-buckets" not in have:
+        group.add_argument("--seq-len-buckets", default=None, metavar="LENS",
+                           help="with --adaptive-memory-optimization: the sequence lengths plans are kept for, e.g. "
+                                "128,256,512 (default powers of two); a longer step is an error")
+    if "--max-seq-len" not in have:
+        group.add_argument("--max-seq-len", default=None, type=int, metavar="N",
+                           help="with --adaptive-memory-optimization: the longest sequence the data has; one plan "
+                                "for it from the first step on (a longer step is an error)")
     if "--host-memory-budget" not in have:
         group.add_argument("--host-memory-budget", default=None, metavar="SIZE",
                            help="host RAM swapped activations may take, e.g. 16GiB (default half the free RAM); "
@@ -115,7 +124,8 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
     repeated layer after the plan is applied (``optimize(compile=...)``). ``optimizer`` counts its state in the budget.
     ``--adaptive-batch-size``: the handle's ``batch`` (an :class:`~adaptive_mem.adaptive._batch.AdaptiveBatch`)
     cuts each global batch (``global_batch``, else ``args.global_batch_size`` or ``args.batch_size``) into
-    micro-batches for gradient accumulation. ``dp_group``: the data-parallel ranks that agree on one adaptive
+    micro-batches for gradient accumulation. ``--seq-len-buckets LENS`` / ``--max-seq-len N``: the sequence
+    lengths the adaptive loop keeps plans for (``adaptive_optimize``'s ``seq_len_buckets`` / ``max_seq_len``). ``dp_group``: the data-parallel ranks that agree on one adaptive
     plan (default the world group under ``torch.distributed``; a pipeline stage passes its own).
     """
     adaptive = bool(getattr(args, "adaptive_memory_optimization", False))
@@ -136,7 +146,9 @@ def apply_arguments(model: nn.Module, args: argparse.Namespace, *, optimizer: An
 
         return adaptive_optimize(model, budget=getattr(args, "memory_budget", None), optimizer=optimizer,
                                  cache_dir=getattr(args, "memory_plan_cache", None), loss_fn=loss_fn, batch=batch,
-                                 host_memory_budget=host, dp_group=dp_group)
+                                 host_memory_budget=host, dp_group=dp_group,
+                                 seq_len_buckets=getattr(args, "seq_len_buckets", None),
+                                 max_seq_len=getattr(args, "max_seq_len", None))
     return _apply_fixed(model, args, host, compile_)
 
 
@@ -158,7 +170,7 @@ def _check_adaptive(args: argparse.Namespace, compile_: str | None) -> None:
 
 def _apply_fixed(model: nn.Module, args: argparse.Namespace, host: Any, compile_: str | None) -> Any:
     """Without the adaptive flag: ``--memory-plan``, Megatron's recompute flags, ``--compile`` alone, or nothing."""
-    for flag in ("--memory-budget", "--memory-plan-cache"):
+    for flag in ("--memory-budget", "--memory-plan-cache", "--seq-len-buckets", "--max-seq-len"):
         value = getattr(args, flag[2:].replace("-", "_"), None)
         if value is not None:
             raise ValueError(f"{flag}={value!r} without --adaptive-memory-optimization: expected both "

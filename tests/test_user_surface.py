@@ -37,8 +37,8 @@ EXPECTED: dict[str, set[str]] = {
     "run": {"--model", "--model-args", "--batch-size", "--seq-len", "--dtype", "--device", "--plan", "--config",
             "--steps", "--seed", "--optimizer", "--lr", "--device-memory-cap", "--host-store",
             "--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache",
-            "--adaptive-batch-size", "--host-memory-budget", "--compile", "--nproc", "--parallel",
-            "--micro-batches"},
+            "--adaptive-batch-size", "--seq-len-buckets", "--max-seq-len", "--host-memory-budget", "--compile",
+            "--nproc", "--parallel", "--micro-batches"},
     "bench": {"--model", "--model-args", "--batch-size", "--seq-len", "--budgets", "--policies", "--out", "--steps",
               "--warmup", "--repeats", "--match", "--no-match", "--compile-backend", "--threads", "--timeout",
               "--simulate", "--throughput", "--paired-rounds", "--simulate-only"},
@@ -72,7 +72,7 @@ def test_flags_are_frozen():
 
 # flags ``adaptive_mem.add_arguments(parser)`` adds to a training script
 SCRIPT_FLAGS = {"--adaptive-memory-optimization", "--memory-budget", "--memory-plan", "--memory-plan-cache",
-                "--adaptive-batch-size", "--host-memory-budget", "--compile", "--recompute-activations",
+                "--adaptive-batch-size", "--seq-len-buckets", "--max-seq-len", "--host-memory-budget", "--compile", "--recompute-activations",
                 "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
                 "--distribute-saved-activations"}
 

@@ -71,4 +71,5 @@ def describe_pending(state: SearchState) -> str:
         return ""
     what = "cached " if state.kind == "cached" else ""
     target = f" for target {fmt_bytes(state.target, exact=True)}" if state.target is not None else ""
-    return f"warm-up done: applying the {what}{describe(state.pending)}{target}"
+    lead = "longer sequences" if state.kind == "bucket" else "warm-up done"  # Note: [the plan of the longest bucket]
+    return f"{lead}: applying the {what}{describe(state.pending)}{target}"

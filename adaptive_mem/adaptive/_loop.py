@@ -6,6 +6,8 @@ loop stays as it is. Each step (one forward + its backward):
 1. Warm-up: the first step of an input shape runs the plain model under the
    SwapManager's protection (out-of-memory becomes a swap-out, not a crash)
    and profiles the real model on the step's inputs (or finds the plan cache).
+   Sequence lengths fall in buckets (``_buckets``): a longer bucket's plan is
+   searched on the profile scaled to its length, not profiled again (``_warmup``).
 2. The search (``milp``) picks the fastest plan whose simulated peak fits the
    memory *target*; it is applied between steps (at the end of backward).
 3. Every step is watched: peak, time, SwapManager rescues, allocator retries.
@@ -14,13 +16,13 @@ loop stays as it is. Each step (one forward + its backward):
    memory target). When the interval is closed the plan is cached and the loop
    stops solving; a rescue after that reopens the search.
 
-Plans change only between steps: hooks are never added while a forward runs.
+Plans change only between steps: hooks are never added while a forward runs, except for a
+longer bucket's plan with none in force (Note: [a plan applied before the forward]).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable
 
 import torch
@@ -36,10 +38,12 @@ from adaptive_mem.runtime._apply import apply_plan
 from ._adapt import decide, describe_pending
 from ._arguments import check_arguments, mark, unmark
 from ._batch import AdaptiveBatch
+from ._buckets import Bucket, Shape, ShapeBuckets, check_seq_lens
+from ._warmup import BucketWarmup
 from ._entry import hooks_before, run_again_then_first
 from adaptive_mem.runtime._spill import HostBudget, as_host_budget
 from ._measure import AdaptiveBudgetError, StepMeter, StepProfiler, default_budget, headroom
-from ._plan_cache import CacheEntry, PlanCache, layout_sizes
+from ._plan_cache import CacheEntry, PlanCache
 from ._planner import Planner, describe
 from ._ranks import RankGroup, share_decision
 from ._refusals import BudgetRefusals
@@ -52,7 +56,7 @@ log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- the handle
-class AdaptiveMemory:
+class AdaptiveMemory(BucketWarmup):
     """What :func:`adaptive_optimize` returns; a context manager whose exit (or :meth:`remove`) restores the model.
 
     It composes the loop's collaborators, each handed its state: :attr:`profiler` (the live step profiled),
@@ -62,7 +66,7 @@ class AdaptiveMemory:
     def __init__(self, model: nn.Module, *, budget: int | None, optimizer: Any, cache: PlanCache | None,
                  solver: str, parallel: dict[str, int] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
                  tolerance: float, pluggable_allocator: bool, host_budget: HostBudget | None = None,
-                 ranks: RankGroup | None = None) -> None:
+                 ranks: RankGroup | None = None, buckets: ShapeBuckets | None = None) -> None:
         self.model = model
         self.ranks = ranks or RankGroup()
         """The data-parallel group that agrees on one plan (Note: [one decision per DP group])."""
@@ -88,6 +92,8 @@ class AdaptiveMemory:
         self.planner = Planner(solver)
         self.state = SearchState()
         self.cache_entry = CacheEntry(cache, self.ranks)
+        self.buckets = buckets or ShapeBuckets()
+        """The plans per input shape (sequence-length bucket), each bucket's search, planner and cache entry."""
         self.history: list[StepRecord] = []
         """One record per step."""
         self.plan: Plan | None = None
@@ -97,9 +103,11 @@ class AdaptiveMemory:
         """With ``--adaptive-batch-size``: the micro-batch size and accumulation steps the training loop uses."""
         self._structure = self.structure.fingerprint
         self._handle: Any = None
-        self._inputs_key: Any = None
         self._in_step = False
         self._depth = 0
+        self._shape: Shape | None = None
+        self._bucket: Bucket | None = None
+        """The bucket whose plan is in force (Note: [the plan of the longest bucket])."""
         self._connect()
 
     def _connect(self) -> None:
@@ -204,7 +212,9 @@ class AdaptiveMemory:
         try:
             self._begin(args, kwargs)
         except BaseException:
-            self._inputs_key = None  # plan again next time
+            if self._bucket is not None:  # plan again next time
+                self.buckets.drop(self._bucket)
+                self._bucket = None
             self._abandon()
             raise  # the always-called forward hook still runs: it balances the depth
         if earlier and self.profiles_run > profiles:  # Note: [hooks before the loop's]
@@ -219,14 +229,15 @@ class AdaptiveMemory:
             self.budget = default_budget(self.hook, self.device)
         self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        key = tuple((tuple(t.shape), t.dtype) for t in tensors)
+        shape = self._shape = self.buckets.shape(tensors, self.ranks)
         self.state.kind = "steady" if self.converged else "adapt"
-        if key != self._inputs_key:
-            first = self._inputs_key is None
-            self._inputs_key = key
-            self._start_shape(tensors, args, kwargs, first)
+        governing = self.buckets.governing(shape, self._bucket)  # Note: [the plan of the longest bucket]
+        if governing is None or governing is not self._bucket:
+            self._start_shape(tensors, args, kwargs, shape, governing)
+            self._apply_before_forward(args, kwargs)
         elif self.state.needs_profile:
             self._plan_from_profile(args, kwargs)
+        self._bucket.longest = max(self._bucket.longest, shape.group_len or 0)
         self.meter.start()
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -255,8 +266,9 @@ class AdaptiveMemory:
         record = self.meter.record(step=len(self.history) + 1, kind=state.kind, target=self.target)
         self.history.append(record)
         self.ranks.reduce_record(record)
-        warmup = state.kind in ("warmup", "cached")
-        deciding = warmup or (state.search is not None and (not self.converged or record.rescues > 0))
+        warmup = state.kind in ("warmup", "cached", "bucket")
+        deciding = warmup or (state.search is not None and (not state.converged or record.rescues > 0)
+                              and self.buckets.informs(self._shape, self._bucket, record.rescues > 0))
         if deciding and self.ranks.decides:
             record.decision = describe_pending(state) if warmup else decide(
                 state, self.planner, record, current=self.plan.decisions if self.plan is not None else {},
@@ -269,57 +281,6 @@ class AdaptiveMemory:
         if record.decision:
             log.info("adaptive memory: step %d: %s", record.step, record.decision)
 
-    # ------------------------------------------------------------------ warm-up: cache or profile
-    def _start_shape(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, first: bool) -> None:
-        state = self.state
-        state.converged_at = None
-        state.search = None
-        self.planner.forget()
-        self.cache_entry.select(self.model, inputs=tensors, budget=self.budget, structure=self._structure,
-                                parallel=layout_sizes(self.parallel, self.ranks, self.model))
-        if not first:
-            log.info("adaptive memory: input shapes changed to %s: planning again",
-                     [list(t.shape) for t in tensors])
-        cached = self.cache_entry.load()
-        if cached is not None:
-            self.cache_hits += 1
-            state.kind = "cached"
-            state.search = TargetSearch(lo=cached.target, hi=cached.target, target=cached.target, tolerance=0)
-            state.converged_at = len(self.history) + 1
-            state.pending = cached.plan
-            log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
-                     self.cache_entry.path(), fmt_bytes(cached.target, exact=True))
-            return
-        if self._handle is not None:
-            state.pending = None  # profile the plain model at the next step
-            state.needs_profile = True
-            state.kind = "warmup"
-            return
-        self._plan_from_profile(args, kwargs)
-
-    def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
-        from search import StepModel
-
-        state = self.state
-        state.needs_profile = False
-        state.kind = "warmup"
-        self.refusals.check_static(self.budget)
-        start = time.perf_counter()
-        prof = self.profiler.take(args, kwargs, self.budget)
-        self.manager.set_profile(prof)
-        host = self.host_budget or HostBudget.default()  # the planner knows where swaps spill to disk
-        if self.batch is not None:  # --adaptive-batch-size: the next global batch's micro-batch
-            self.batch.observe(prof, self.budget - self.manager.prefetch_reserve)
-        step_model = StepModel.build(prof, host_budget=host.limit)
-        needed = self.refusals.check_minimum(step_model, self.budget, self.profiler.overshoot)
-        self.planner.use(step_model, min_needed=needed)
-        tol = max(1, int(self.tolerance * self.budget))
-        state.search = TargetSearch(lo=needed, hi=self.budget + 1, target=self.budget, tolerance=tol)
-        log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s, "
-                 "budget %s", time.perf_counter() - start, fmt_bytes(prof.peak_memory, exact=True), fmt_bytes(needed, exact=True), fmt_bytes(self.budget, exact=True))
-        # Note: [one decision per DP group]: the other ranks take the deciding rank's plan at the step's end
-        state.pending = self.planner.solve(state.search.target) if self.ranks.decides else False
-
     def _save_cache(self, target: int, plan: Plan) -> None:
         path = self.cache_entry.save(target, plan)
         if path is not None:
@@ -330,13 +291,13 @@ class AdaptiveMemory:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self.plan = plan
+        self.plan = self._bucket.plan = plan
         if plan is not None and plan.decisions:
             # The loop itself ties plans to input shapes (a new shape replans), so the executor's one-shot
             # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
-            self._handle = apply_plan(self.model, plan=unchecked, profile=self.profiler.profile,
+            self._handle = apply_plan(self.model, plan=unchecked, profile=self._bucket.profile,
                                       host_memory_budget=self.host_budget, structure=self.structure)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
@@ -365,8 +326,8 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
                       parallel: dict[str, int] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
                       tolerance: float = 0.02, pluggable_allocator: bool = False,
                       batch: AdaptiveBatch | None = None,
-                      host_memory_budget: int | str | None = None,
-                      dp_group: Any = None) -> AdaptiveMemory:
+                      host_memory_budget: int | str | None = None, dp_group: Any = None,
+                      seq_len_buckets: Any = None, max_seq_len: int | None = None) -> AdaptiveMemory:
     """Keep ``model`` under ``budget`` device bytes with the fastest plan that fits, found while training.
 
     ``budget``: bytes or a size string (``"12GiB"``); default the device capacity (on CPU the ``cap`` of
@@ -381,13 +342,18 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     ``dp_group``: under ``torch.distributed``, the data-parallel ranks that agree on one plan (default the world
     group; a pipeline stage passes the group of the ranks holding it): the first decides on the group's measured
     maxima and broadcasts, and a rescue on any rank re-plans all of them at the same step.
+    ``seq_len_buckets``: the sequence lengths plans are kept for (``"128,256,512"`` or ints; default powers of two);
+    ``max_seq_len``: the longest length the data has: one plan for it from the first step on (a longer step is an
+    error). See ``_buckets`` (Note: [the plan of the longest bucket]).
     """
     budget = check_arguments(model, budget=budget, solver=solver, tolerance=tolerance)
+    lengths, max_seq_len = check_seq_lens(seq_len_buckets, max_seq_len)
     store = PlanCache(cache_dir) if cache else None
     ranks = RankGroup.resolve(dp_group)
     handle = AdaptiveMemory(model, budget=budget, optimizer=optimizer, cache=store, solver=solver, parallel=parallel,
                             loss_fn=loss_fn, tolerance=tolerance, pluggable_allocator=pluggable_allocator,
-                            host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"), ranks=ranks)
+                            host_budget=as_host_budget(host_memory_budget, flag="--host-memory-budget"), ranks=ranks,
+                            buckets=ShapeBuckets(lengths, max_seq_len))
     handle.batch = batch
     if budget is not None and not (ranks.active and not is_laid_out(model)):  # else a layout may still shard it
         try:  # a budget below what never leaves the device is refused now, before any step or batch

@@ -1,7 +1,7 @@
 """Plans the adaptive loop converged to, on disk, keyed by what makes a plan valid.
 
 The key (:func:`plan_key`) hashes the model structure, the step's input shapes
-and dtypes, the parameter dtype, the device type, the parallel sizes, the
+(the sequence length as its bucket's) and dtypes, the parameter dtype, the device type, the parallel sizes, the
 library version and the memory budget: change any of them and the cache
 misses. Entries are JSON (``Plan.to_dict`` plus the converged memory target),
 read with the JSON parser only; an unreadable entry is a miss, logged.
@@ -39,20 +39,27 @@ def default_cache_dir() -> Path:
 
 
 def plan_key(model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int,
-             parallel: dict[str, Any] | None = None, structure: str | None = None) -> tuple[str, dict[str, Any]]:
-    """``(key, described fields)`` for ``model`` stepping on ``inputs`` under ``budget`` bytes."""
+             parallel: dict[str, Any] | None = None, structure: str | None = None,
+             bucket: int | None = None) -> tuple[str, dict[str, Any]]:
+    """``(key, described fields)`` for ``model`` stepping on ``inputs`` under ``budget`` bytes; with ``bucket``
+    the plan is for every sequence length up to it: the inputs' length is recorded as the bucket's."""
     from adaptive_mem._version import __version__
+    from adaptive_mem.runtime._buckets import seq_len_of
+    from ._buckets import bucketed_shape
 
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    seq_len = seq_len_of(tuple(inputs)) if bucket is not None else None
     fields = {
         "structure": structure or structure_fingerprint(model),
-        "inputs": [[list(t.shape), str(t.dtype).removeprefix("torch.")] for t in inputs],
+        "inputs": [[bucketed_shape(t.shape, seq_len, bucket), str(t.dtype).removeprefix("torch.")] for t in inputs],
         "dtype": str(param.dtype).removeprefix("torch.") if param is not None else "none",
         "device": param.device.type if param is not None else "cpu",
         "parallel": dict(sorted((parallel or {}).items())),
         "version": __version__,
         "budget": int(budget),
     }
+    if bucket is not None:
+        fields["seq_len_bucket"] = int(bucket)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:24]
     return key, fields
 
@@ -135,9 +142,10 @@ class CacheEntry:
         """What :attr:`key` was made of."""
 
     def select(self, model: nn.Module, *, inputs: Sequence[torch.Tensor], budget: int, parallel: dict[str, Any],
-               structure: str) -> None:
-        """Make the entry that of ``model`` stepping on ``inputs`` under ``budget``."""
-        self.key, self.fields = plan_key(model, inputs=inputs, budget=budget, parallel=parallel, structure=structure)
+               structure: str, bucket: int | None = None) -> None:
+        """Make the entry that of ``model`` stepping on ``inputs`` (of up to ``bucket`` tokens) under ``budget``."""
+        self.key, self.fields = plan_key(model, inputs=inputs, budget=budget, parallel=parallel, structure=structure,
+                                         bucket=bucket)
 
     def load(self) -> CachedPlan | None:
         """The deciding rank's cached plan for the group (None: a miss on every rank)."""

@@ -16,7 +16,7 @@ log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logg
 
 
 class Planner:
-    """Plans on the profiled step's model, solved once per target (until :meth:`forget`)."""
+    """Plans on the profiled step's model, solved once per target (one planner per input shape or length bucket)."""
 
     def __init__(self, solver: str) -> None:
         self.solver = solver
@@ -30,9 +30,6 @@ class Planner:
         """Plan on ``step_model`` from now on; ``min_needed``: the smallest target it runs under."""
         self.step_model = step_model
         self.min_needed = min_needed
-
-    def forget(self) -> None:
-        """Drop the plans solved so far (a new input shape)."""
         self._solved.clear()
 
     def solve(self, target: int) -> Plan:

@@ -55,8 +55,8 @@ class StepRecord:
     step: int
     """1-based step index since the loop started."""
     kind: str
-    """``warmup`` (plain model, profiling), ``cached`` (plan from the cache applied after it), ``adapt``,
-    ``steady`` (converged)."""
+    """``warmup`` (plain model, profiling), ``cached`` (plan from the cache applied after it), ``bucket`` (a longer
+    sequence bucket's plan applied after it), ``adapt``, ``steady`` (converged)."""
     target: int | None
     """Memory target the step's plan was searched for."""
     peak: int | None

@@ -1,0 +1,224 @@
+"""The adaptive loop on steps whose sequence lengths vary (dynamic padding): plans per length bucket, the plan of
+the longest bucket in force, a longer bucket planned on a scaled profile, ``--max-seq-len``, per-bucket cache keys.
+
+Budgets are accounted by ``DeviceMemory`` on CPU, as in tests/test_adaptive.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+import adaptive_mem
+from adaptive_mem import DeviceMemory, adaptive_optimize, apply_arguments, build_model
+from adaptive_mem.adaptive._plan_cache import PlanCache, plan_key
+from adaptive_mem.runtime._accounting import host_allocations
+from search.planning import SeqLenBucketError
+
+from _adaptive_common import assert_grads, optimizer
+from _deterministic import deterministic  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("deterministic")
+
+LENGTHS = (32, 128, 64, 128, 96, 32, 128, 128, 64, 128)
+"""The issue's eight steps (lengths cycling 32-128), then two more: convergence is asked within ten."""
+BUDGET = 5 * 2**20
+"""llama-tiny at batch 2: the plain step at 128 tokens does not fit, at 32 and 64 it does."""
+
+
+def _bundle(spec: str):
+    args = {"num_hidden_layers": 2} if spec.startswith("hf:") else None
+    return build_model(spec, model_args=args, batch_size=2, seq_len=128, seed=0)
+
+
+def _batch(b, step: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, b.vocab_size, (2, seq + 1), generator=torch.Generator().manual_seed(step))
+    return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
+
+
+def _reference(spec: str) -> tuple[list[dict[str, torch.Tensor]], int]:
+    """Per-step gradients without the loop (kept on the host side), and its plain peak."""
+    b = _bundle(spec)
+    opt = optimizer(b.model)
+    grads, peak = [], 0
+    with DeviceMemory(track_existing=False) as mem:
+        mem.track(b.model, opt)
+        for step, seq in enumerate(LENGTHS):
+            mem.reset_peak()
+            b.loss(_batch(b, step, seq)).backward()
+            peak = max(peak, mem.peak)
+            with host_allocations():
+                grads.append({n: p.grad.clone() for n, p in b.model.named_parameters()})
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return grads, peak
+
+
+def _train(spec: str, budget: int, grads, **loop) -> adaptive_mem.AdaptiveMemory:
+    b = _bundle(spec)
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False, **loop) as am:
+        with DeviceMemory(cap=budget, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            for step, seq in enumerate(LENGTHS):
+                b.loss(_batch(b, step, seq)).backward()
+                assert_grads(b.model, grads[step], step)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return am
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _reference("llama-tiny")
+
+
+def _rescued(am) -> list[int]:
+    return [r.step for r in am.history if r.rescues]
+
+
+def _lagged(am, rescued: list[int]) -> bool:
+    """Whether ``rescued`` is at most one 128-token step: the plan's peak is within 2 % of the budget, and the copy
+    thread lagging on a loaded machine can push one step past it (as in tests/test_executor_memory.py); a quiet
+    run rescues none. The rescue reopens the search by design."""
+    return len(rescued) <= 1 and all(LENGTHS[s - 1] == 128 for s in rescued)
+
+
+def _converged_by(am, step: int) -> bool:
+    return any("converged at target" in r.decision for r in am.history[:step])
+
+
+def test_cycling_lengths_plan_per_longest_bucket_without_profiling_again(llama):
+    grads, peak = llama
+    assert peak > BUDGET, "the plain step at 128 tokens must not fit the budget"
+    am = _train("llama-tiny", BUDGET, grads)
+    decisions = [r.decision for r in am.history]
+    assert am.profiles_run == 1, decisions  # 128 is planned on the profile at 32 scaled, not profiled
+    assert sorted(b.shape.bucket for b in am.buckets.buckets.values()) == [32, 128]  # 64 and 96 run 128's plan
+    assert len(_rescued(am)) <= 2, (_rescued(am), decisions)  # at most one rescued step per new bucket
+    assert _converged_by(am, 10), decisions
+    assert am.plan is not None and am.plan.decisions and am.target <= BUDGET
+
+
+def test_max_seq_len_plans_the_longest_length_from_the_first_step(llama):
+    grads, _ = llama
+    am = _train("llama-tiny", BUDGET, grads, max_seq_len=128)
+    assert am.history[0].kind == "warmup" and am.profiles_run == 1
+    assert _rescued(am) == [] or _lagged(am, _rescued(am)), [r.decision for r in am.history]
+    assert _converged_by(am, 2), [r.decision for r in am.history]
+    assert [b.shape.bucket for b in am.buckets.buckets.values()] == [128]
+    assert am.plan is not None and am.plan.decisions, "the plan for 128 tokens is in force after the first step"
+    assert am.buckets.buckets[next(iter(am.buckets.buckets))].profile.model["seq_len"] == 128
+
+
+def test_hf_qwen2_cycling_lengths_and_max_seq_len():
+    grads, peak = _reference("hf:qwen2")
+    budget = int(0.75 * peak)
+    am = _train("hf:qwen2", budget, grads)
+    assert am.profiles_run == 1 and len(_rescued(am)) <= 2, [r.decision for r in am.history]
+    am = _train("hf:qwen2", budget, grads, max_seq_len=128)
+    assert am.profiles_run == 1 and (_rescued(am) == [] or _lagged(am, _rescued(am))), [r.decision for r in am.history]
+
+
+def test_a_step_longer_than_the_maximum_is_an_error_before_its_forward():
+    b = _bundle("llama-tiny")
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=BUDGET, optimizer=opt, cache=False, max_seq_len=64) as am:
+        b.loss(_batch(b, 0, 64)).backward()
+        opt.zero_grad(set_to_none=True)
+        with pytest.raises(SeqLenBucketError, match="--max-seq-len=64: a step of 128 tokens"):
+            b.loss(_batch(b, 1, 128))
+        assert all(p.grad is None for p in b.model.parameters())
+        b.loss(_batch(b, 2, 48)).backward()  # the loop goes on with the next step
+        assert am.profiles_run == 1 and len(am.history) == 2
+
+
+def test_a_longer_bucket_below_the_minimum_is_refused_naming_its_length():
+    b = _bundle("llama-tiny")
+    opt = optimizer(b.model)
+    budget = int(2.4 * 2**20)  # the plain step at 32 tokens fits, no plan at 128 does
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
+        with DeviceMemory(cap=budget, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            b.loss(_batch(b, 0, 32)).backward()
+            opt.zero_grad(set_to_none=True)
+            with pytest.raises(adaptive_mem.AdaptiveBudgetError, match="at 128 tokens .the profile at 32 tokens"):
+                b.loss(_batch(b, 1, 128))
+            assert all(p.grad is None for p in b.model.parameters())
+            b.loss(_batch(b, 2, 32)).backward()  # the shorter steps go on under their plan
+        assert am.profiles_run == 1 and len(am.history) == 2
+
+
+def test_explicit_buckets_and_cache_keys_per_bucket(tmp_path):
+    b = _bundle("llama-tiny")
+    ids = [t for t in _batch(b, 0, 100)]
+    key100, fields = plan_key(b.model, inputs=ids, budget=BUDGET, bucket=128)
+    assert fields["seq_len_bucket"] == 128 and fields["inputs"][0][0] == [2, 128]
+    assert plan_key(b.model, inputs=_batch(b, 0, 128), budget=BUDGET, bucket=128)[0] == key100
+    assert plan_key(b.model, inputs=_batch(b, 0, 64), budget=BUDGET, bucket=64)[0] != key100
+    assert "seq_len_bucket" not in plan_key(b.model, inputs=ids, budget=BUDGET)[1]  # a fixed shape: as before
+
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=BUDGET, optimizer=opt, cache_dir=tmp_path,
+                           seq_len_buckets="48,128") as am:
+        with DeviceMemory(cap=BUDGET, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            for step, seq in enumerate((40, 100, 100, 100, 128, 128)):
+                b.loss(_batch(b, step, seq)).backward()
+                opt.zero_grad(set_to_none=True)
+        assert sorted(bk.shape.bucket for bk in am.buckets.buckets.values()) == [48, 128]
+    saved = [PlanCache(tmp_path).load(p.stem) for p in tmp_path.glob("*.json")]
+    assert {c.fields["seq_len_bucket"] for c in saved} <= {48, 128} and saved, list(tmp_path.iterdir())
+
+
+def test_dp_ranks_stepping_different_lengths_agree_on_one_plan_and_stay_exact(tmp_path):
+    """Note: [one bucket per DP group]: the bucket follows the group's longest length of each step."""
+    from _parallel_shapes_cases import LENGTHS, TIMEOUT, worker
+    from _spawn import spawn_ranks
+
+    ranks = spawn_ranks(worker, BUDGET, out=tmp_path, timeout=TIMEOUT)
+    for rank, r in enumerate(ranks):
+        for case in ("plain", "loop"):
+            assert r[case]["error"] is None, f"rank {rank} {case}: {r[case]['error']}\n{r[case].get('trace')}"
+        for step in range(len(LENGTHS[0])):
+            for n, g in r["plain"]["grads"][step].items():
+                assert torch.equal(r["loop"]["grads"][step][n], g), f"rank {rank} step {step + 1}: {n} differs"
+    first, second = (r["loop"] for r in ranks)
+    assert first["plans"] == second["plans"], "the ranks ran different plans"
+    assert [h["decision"] for h in first["history"]] == [h["decision"] for h in second["history"]]
+    assert first["profiles"] == second["profiles"] == 1
+    assert first["plans"][-1] is not None and first["plans"][-1]["decisions"]
+
+
+def _args(flags: list[str]) -> argparse.Namespace:
+    return adaptive_mem.add_arguments(argparse.ArgumentParser()).parse_args(flags)
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--adaptive-memory-optimization", "--seq-len-buckets", "128,0"], "--seq-len-buckets='128,0': expected"),
+    (["--adaptive-memory-optimization", "--seq-len-buckets", "a,b"], "expected positive integers"),
+    (["--adaptive-memory-optimization", "--max-seq-len", "0"], "--max-seq-len=0: expected a positive"),
+    (["--adaptive-memory-optimization", "--max-seq-len", "128", "--seq-len-buckets", "64,128"], "expected one of"),
+    (["--max-seq-len", "128"], "without --adaptive-memory-optimization"),
+])
+def test_length_flags_are_checked_before_anything_is_applied(flags, match):
+    b = _bundle("llama-tiny")
+    with pytest.raises(ValueError, match=match):
+        apply_arguments(b.model, _args(flags))
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in b.model.modules())
+
+
+def test_length_flags_reach_the_loop():
+    b = _bundle("llama-tiny")
+    handle = apply_arguments(b.model, _args(["--adaptive-memory-optimization", "--seq-len-buckets", "128,256"]))
+    try:
+        assert handle.buckets.lengths == (128, 256) and handle.buckets.max_seq_len is None
+    finally:
+        handle.remove()
+    handle = apply_arguments(b.model, _args(["--adaptive-memory-optimization", "--max-seq-len", "512"]))
+    try:
+        assert handle.buckets.max_seq_len == 512
+    finally:
+        handle.remove()
