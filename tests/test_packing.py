@@ -10,6 +10,7 @@ totals change from step to step.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -160,3 +161,67 @@ def test_packed_step_profiled_on_fake_tensors_is_the_real_one(tmp_path):
     with optimize(bundle.model, plan=str(plan)) as handle:
         assert handle.summary().takes_effect, handle.summary()
         _assert_same(_step(bundle, batch), ref, "qwen2 milp on the fake profile")
+
+
+VARYING = ((20, 7, 30, 7), (50, 14, 30), (9,) * 7, (64, 30, 10, 16), (20, 7, 30, 7), (40, 40), (100,), (12, 20))
+"""Packed steps whose totals change from step to step (64, 94, 63, 120, 64, 80, 100, 32 tokens)."""
+
+
+def _packed_steps(family: str) -> list:
+    args = {"num_hidden_layers": 3} if family == "llama" else {}
+    base = build_model(f"hf:{family}", model_args=args, batch_size=1, seq_len=max(map(sum, VARYING)), seed=0)
+    return [hf_packed(base, lengths) for lengths in VARYING]
+
+
+def _train(family: str, *, budget: int | None = None, want: list | None = None):
+    """``VARYING``'s steps with SGD under ``DeviceMemory(cap=budget)``, in the adaptive loop when ``budget`` is
+    given. Returns the gradients of every step (compared in place with ``want``'s when given), the peaks (less
+    the gradients kept), and whether a plan deciding something was in place at some step."""
+    from adaptive_mem import DeviceMemory, adaptive_optimize
+
+    steps = _packed_steps(family)
+    model = steps[0].model
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads, peaks, planned, held = [], [], False, 0
+    loop = (adaptive_optimize(model, budget=budget, optimizer=opt, cache=False, loss_fn=lambda out: out.loss)
+            if budget is not None else contextlib.nullcontext())
+    with DeviceMemory(cap=budget, track_existing=False) as mem:
+        mem.track(model, opt)
+        with loop as am:
+            for i, bundle in enumerate(steps):
+                mem.reset_peak()
+                torch.manual_seed(1234)
+                bundle.loss(bundle.batch(seed=i)).backward()
+                peaks.append(mem.peak - held)
+                if want is None:
+                    grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+                    held += sum(g.untyped_storage().nbytes() for g in grads[-1].values())  # not the step's
+                else:
+                    assert all(torch.equal(p.grad, want[i][n]) for n, p in model.named_parameters()), f"step {i}"
+                planned |= am is not None and am.plan is not None and bool(am.plan.decisions)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+    return grads, peaks, planned
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_adaptive_loop_on_packed_steps_of_varying_totals_is_exact(family: str):
+    want, peaks, _ = _train(family)
+    static = 2 * sum(p.untyped_storage().nbytes() for p in _packed_steps(family)[0].model.parameters())
+    budget = static + int(0.7 * (max(peaks) - static))  # parameters, gradients and 70% of the largest activations
+    _, got, planned = _train(family, budget=budget, want=want)
+    assert max(got) <= budget, (got, budget)
+    assert planned, "no plan deciding anything was applied"
+
+
+@pytest.mark.parametrize("plan", CONFIGS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_plan_on_packed_steps_of_varying_totals_is_exact(family: str, plan: str):
+    """A config applies to the layers whatever the step's shape: each packed total is exact, the same model
+    without it is the reference (one model, its weights unchanged between steps)."""
+    steps = _packed_steps(family)[:4]  # 64, 94, 63, 120 tokens
+    batches = [bundle.batch(seed=i) for i, bundle in enumerate(steps)]
+    want = [_step(bundle, batch) for bundle, batch in zip(steps, batches)]
+    with optimize(steps[0].model, config=CONFIGS[plan]):
+        for i, (bundle, batch) in enumerate(zip(steps, batches)):
+            _assert_same(_step(bundle, batch), want[i], f"{family} {plan} step {i} ({bundle.seq_len} tokens)")
