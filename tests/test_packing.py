@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from adaptive_mem import ModelSpecError, build_model, optimize
-from adaptive_mem.models._hf import hf_packed
+from adaptive_mem.models._hf import HF_HEADS, hf_packed
 from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
+from test_hf_zoo import KEYS
 
 FAMILIES = ("llama", "qwen2", "mixtral")
 LENGTHS = (20, 7, 30, 7)
@@ -225,3 +226,23 @@ def test_config_plan_on_packed_steps_of_varying_totals_is_exact(family: str, pla
     with optimize(steps[0].model, config=CONFIGS[plan]):
         for i, (bundle, batch) in enumerate(zip(steps, batches)):
             _assert_same(_step(bundle, batch), want[i], f"{family} {plan} step {i} ({bundle.seq_len} tokens)")
+
+
+OTHERS = [f for f in KEYS if f not in (*FAMILIES, *HF_HEADS)]
+"""The zoo's other causal LMs. transformers packs (attends within each sequence) in most; opt, bloom and falcon
+ignore ``position_ids`` for the mask, the hybrid stacks' linear attention and convolutions run across sequences,
+and PhiMoE routes by sampling: their packed step is still a step, and plans must keep it exact."""
+
+
+@pytest.mark.parametrize("plan", ["layer-swap", "mixed-alternating"])
+@pytest.mark.parametrize("family", OTHERS)
+def test_packed_step_exact_on_the_other_zoo_families(family: str, plan: str):
+    mlp, attn = KEYS[family]
+    mixed = {"recompute_config": {"select_recompute": {mlp: [0, 2]}}, "swap_config": _op_swap(attn)}
+    config = {"layer-swap": CONFIGS["layer-swap"], "mixed-alternating": mixed}
+    bundle = hf_packed(build_model(f"hf:{family}", batch_size=1, seq_len=sum(LENGTHS), seed=0), LENGTHS)
+    batch = bundle.batch(seed=0)
+    ref = _step(bundle, batch)
+    with optimize(bundle.model, config=config[plan]) as handle:
+        assert handle.summary().takes_effect, handle.summary()
+        _assert_same(_step(bundle, batch), ref, f"{family} {plan}")
