@@ -74,13 +74,18 @@ def _assert_same(got, want, what: str) -> None:
 
 
 def test_packed_batch_is_the_flattening_collators_form():
+    from transformers import DataCollatorWithFlattening
+
     bundle = _build("llama", (3, 2, 4))
     ids, positions, labels = bundle.batch(seed=0)
     assert (bundle.batch_size, bundle.seq_len) == (1, 9)
     assert positions.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2, 3]]
-    want = ids.clone()
-    want[0, [0, 3, 5]] = -100
-    assert torch.equal(labels, want)
+    assert labels[0, [0, 3, 5]].tolist() == [-100] * 3
+    sequences = [{"input_ids": part.tolist()} for part in ids[0].split([3, 2, 4])]
+    collated = DataCollatorWithFlattening(return_tensors="pt")(sequences)
+    assert collated.keys() == {"input_ids", "position_ids", "labels"}
+    for name, tensor in zip(("input_ids", "position_ids", "labels"), (ids, positions, labels)):
+        assert torch.equal(collated[name], tensor), name
     assert all(torch.equal(a, b) for a, b in zip(bundle.batch(seed=0), (ids, positions, labels)))
 
 
@@ -142,23 +147,26 @@ def _layer_units(profile) -> list[tuple[str, int, int]]:
     return [(u.name, u.output_bytes, u.saved_bytes) for u in profile.units if u.layer is not None]
 
 
-def test_packed_step_profiled_on_fake_tensors_is_the_real_one(tmp_path):
-    """On fake tensors (``device="meta"``) the packed step takes the packed attention path of the real run
-    (Note: [packed on fake tensors]): every layer unit with the same bytes, the same peak; the milp plan searched
-    on the fake profile runs the real packed step exactly."""
+@pytest.mark.parametrize("lengths", [LENGTHS, (64,)], ids=["four-sequences", "one-sequence"])
+def test_packed_step_profiled_on_fake_tensors_is_the_real_one(lengths, tmp_path):
+    """On fake tensors (``device="meta"``) the packed step takes the attention path of the real run (Note:
+    [packed on fake tensors]; one sequence is not packed): every layer unit with the same bytes, the same peak;
+    the milp plan searched on the fake profile runs the real packed step exactly."""
     import profiler
     from adaptive_mem.cli import main
 
     profiles = {}
     for device in ("cpu", "meta"):
-        bundle = hf_packed(build_model("hf:qwen2", batch_size=1, seq_len=64, seed=0, device=device), LENGTHS)
+        bundle = hf_packed(build_model("hf:qwen2", batch_size=1, seq_len=64, seed=0, device=device), lengths)
         profiles[device] = profiler.profile_step(bundle, warmup=0, repeat=0, record=1, optimizer_time=0.0)
     assert _layer_units(profiles["meta"]) == _layer_units(profiles["cpu"])
     assert profiles["meta"].peak_memory == profiles["cpu"].peak_memory
     profile, plan = tmp_path / "p.json", tmp_path / "plan.yaml"
     profiles["meta"].save(profile)
     assert main(["search", str(profile), "--activation-budget", "0.5", "-o", str(plan)]) == 0
-    bundle, batch, ref = _reference("qwen2")
+    bundle = hf_packed(build_model("hf:qwen2", batch_size=1, seq_len=64, seed=0), lengths)
+    batch = bundle.batch(seed=0)
+    ref = _step(bundle, batch)
     with optimize(bundle.model, plan=str(plan)) as handle:
         assert handle.summary().takes_effect, handle.summary()
         _assert_same(_step(bundle, batch), ref, "qwen2 milp on the fake profile")
