@@ -254,3 +254,16 @@ def test_packed_step_exact_on_the_other_zoo_families(family: str, plan: str):
     with optimize(bundle.model, config=config[plan]) as handle:
         assert handle.summary().takes_effect, handle.summary()
         _assert_same(_step(bundle, batch), ref, f"{family} {plan}")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_step_exact_with_the_cache(family: str):
+    """``use_cache=True``: the layers get a ``Cache`` object with the packed positions (Note: [cache in
+    recompute]); the mixed plan stays exact."""
+    args = {"use_cache": True, **({"num_hidden_layers": 3} if family == "llama" else {})}
+    bundle = hf_packed(build_model(f"hf:{family}", model_args=args, batch_size=1, seq_len=64, seed=0), LENGTHS)
+    batch = bundle.batch(seed=0)
+    ref = _step(bundle, batch)
+    with optimize(bundle.model, config=CONFIGS["mixed-alternating"]) as handle:
+        assert handle.summary().takes_effect, handle.summary()
+        _assert_same(_step(bundle, batch), ref, f"{family} with the cache")
