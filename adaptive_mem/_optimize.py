@@ -11,7 +11,8 @@ from torch import nn
 from profiler.naming import ModelStructure
 from search import Plan
 
-from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan
+from adaptive_mem.runtime._apply import OptimizeHandle
+from adaptive_mem.runtime._buckets import apply_any_plan
 from adaptive_mem.runtime._compile_blocks import check_blocks, compile_blocks, compile_options
 
 __all__ = ["optimize", "OptimizeHandle", "OptimizeArgumentError"]
@@ -51,6 +52,10 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     compile each block yourself, then ``optimize``; for recompute plans, ``torch.compile(model)`` after
     ``optimize`` also works, as does ``torch.compile(model)`` for swap plans (the swaps go into its graph).
 
+    A plan with a plan per sequence-length bucket (``adaptive-mem search --seq-lens``) applies, at each forward,
+    the plan of the smallest bucket at least as long as the inputs (dim 1 of the first integer tensor), switching
+    only when the bucket changes; a longer input raises :class:`search.SeqLenBucketError`.
+
     ``budget`` raises :class:`OptimizeArgumentError`: the loop that finds the fastest plan under a budget
     while training is ``adaptive_mem.adaptive_optimize(model, budget=...)``.
     """
@@ -61,9 +66,9 @@ def optimize(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, 
     structure = ModelStructure.of(model) if options is not None else None  # made once, handed down
     if options is not None:
         check_blocks(model, compile, key="optimize: compile", structure=structure)
-    handle = apply_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
-                        host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget,
-                        structure=structure)
+    handle = apply_any_plan(model, plan=plan, config=config, profile=profile, example_inputs=example_inputs,
+                            host_store=host_store, host_dir=host_dir, host_memory_budget=host_memory_budget,
+                            structure=structure, compile_options=options)
     if options is not None:
         handle.compiled = compile_blocks(model, compile, key="optimize: compile", structure=structure)
     return handle

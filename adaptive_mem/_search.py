@@ -9,9 +9,10 @@ subclasses whose one-line messages name the flag, e.g. ``--budget='1MiB'``).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from profiler import HardwareSpec, Layout, Profile, hardware_spec, is_cuda_hardware
 from search import (Budget, BudgetError, InfeasibleBudgetError, Plan, Problem, SolveResult, StepModel, fmt_bytes, get_solver, merge_plans, minimum_budget)
@@ -20,8 +21,11 @@ from search.planning import (Stage, check_feasible, in_flight, pipeline_step_tim
 from search import DeviceMemoryError
 from search.planning import activation_peak, device_capacity, device_shortfall, keep_all
 from search.planning import data_parallel_comm
+from search.planning import bucketed_plan, seq_len_profiles, structure_of
 
 from adaptive_mem.config._layout import merge_layout, positive_int
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SearchResult", "StageResult", "check_arguments", "chunk_budgets", "rank_figures", "search", "stages_of"]
 
@@ -84,6 +88,9 @@ class SearchResult:
     """The solver's step-time lower bound for a single stage, else None."""
     profile: Profile = field(repr=False, compare=False)
     """The profile searched."""
+    buckets: tuple[tuple[int, "SearchResult"], ...] = ()
+    """With ``seq_lens``: ``(seq_len, result)`` per bucket, ascending; this result is the longest's, its plan holds
+    every bucket's (Note: [plan buckets]). Empty otherwise."""
 
     @property
     def fits_device(self) -> bool:
@@ -276,13 +283,59 @@ def check_arguments(*, solver: str, solver_options: Mapping[str, Any], pipeline_
     return _budget_spec(budget, activation_budget)
 
 
-def search(profile: Profile | str | Path, *, budget: int | str | None = None,
+def _profile_at(model: str, model_args: str | dict | None) -> Callable[[Profile, int], Profile]:
+    """A function profiling ``model`` at a sequence length as a reference profile was made (fake or CPU)."""
+    import dataclasses
+
+    import profiler
+
+    from adaptive_mem._model_spec import build_model
+
+    def profile_at(ref: Profile, seq_len: int) -> Profile:
+        device = "cpu" if ref.measured else "meta"
+        log.info("profiling %s at sequence length %d on %s", model, seq_len, device)
+        bundle = build_model(model, model_args=model_args, batch_size=ref.model.get("batch_size"), seq_len=seq_len,
+                             dtype=ref.model.get("dtype", "float32"), device=device)
+        prof = profiler.profile_step(bundle, hardware=None if ref.measured else ref.hardware,
+                                     optimizer=ref.static.optimizer)
+        if structure_of(prof) != structure_of(ref):
+            raise ValueError(f"--model={model!r}: another model than the profile's (structure fingerprint "
+                             f"{structure_of(prof)} vs {structure_of(ref)}); expected the spec the profile was made "
+                             "from")
+        return dataclasses.replace(prof, hardware=ref.hardware) if ref.measured else prof
+    return profile_at
+
+
+def _search_buckets(profile: Any, seq_lens: str | Iterable[int], model: str | None, model_args: str | dict | None,
+                    on_bucket: Callable[[int, Profile], None] | None, **kwargs: Any) -> SearchResult:
+    """:func:`search` on each bucket's profile under the same budget (Note: [plan buckets])."""
+    check_arguments(solver=kwargs["solver"], solver_options=dict(kwargs["solver_options"] or {}),
+                    pipeline_stages=kwargs["pipeline_stages"], micro_batches=kwargs["micro_batches"],
+                    budget=kwargs["budget"], activation_budget=kwargs["activation_budget"])
+    if model_args is not None and model is None:
+        raise ValueError(f"--model-args={model_args!r} without --model: expected both")
+    profiles = seq_len_profiles(profile, seq_lens, None if model is None else _profile_at(model, model_args))
+    results = []
+    for s, prof in profiles.items():
+        if on_bucket is not None:
+            on_bucket(s, prof)
+        try:
+            results.append((s, search(prof, **kwargs)))
+        except BudgetError as exc:  # the bucket it failed for, in the same one line
+            raise type(exc)(f"sequence length {s}: {exc}") from None
+    plan = bucketed_plan({s: r.plan for s, r in results})
+    return replace(results[-1][1], plan=plan, buckets=tuple(results))
+
+
+def search(profile: Profile | str | Path | Iterable[Profile | str | Path], *, budget: int | str | None = None,
            activation_budget: float | str | None = None, solver: str = "milp",
            solver_options: Mapping[str, Any] | None = None, hardware: str | HardwareSpec | None = None,
            pipeline_stages: int | None = None, micro_batches: int | None = None, tensor_parallel: int | None = None,
            virtual_pipeline_stages: int | None = None, data_parallel: int | None = None,
            sequence_parallel: bool | None = None, zero: int | None = None, schedule: str | None = None,
-           progress: bool = False, on_stage: Callable[[StageResult], None] | None = None) -> SearchResult:
+           progress: bool = False, on_stage: Callable[[StageResult], None] | None = None,
+           seq_lens: str | Iterable[int] | None = None, model: str | None = None, model_args: str | dict | None = None,
+           on_bucket: Callable[[int, Profile], None] | None = None) -> SearchResult:
     """The fastest keep/recompute/swap plan for ``profile`` (a :class:`profiler.Profile` or its JSON file)
     under a memory budget, as ``adaptive-mem search`` finds it.
 
@@ -297,7 +350,16 @@ def search(profile: Profile | str | Path, *, budget: int | str | None = None,
 
     A budget below the minimum feasible raises :class:`search.InfeasibleBudgetError`; a budget or static
     memory beyond the named device's raises :class:`search.DeviceMemoryError` (both ``ValueError``).
+
+    ``seq_lens`` (``"512,1024,2048"`` or ints): a plan per sequence-length bucket in one plan (Note: [plan
+    buckets]), each under the same budget on ``profile`` (one, or several at different lengths) scaled to that
+    length, or on ``model`` (a spec; ``model_args``) profiled there as the profile was made; ``on_bucket(seq_len,
+    profile)`` before each search. The result is the longest bucket's, every bucket's in ``buckets``.
     """
+    if seq_lens is not None:
+        return _search_buckets(**locals())
+    if model is not None or model_args is not None:
+        raise ValueError(f"model={model!r}, model_args={model_args!r} without seq_lens: expected seq_lens too")
     options = dict(solver_options or {})
     spec = check_arguments(solver=solver, solver_options=options, pipeline_stages=pipeline_stages,
                            micro_batches=micro_batches, budget=budget, activation_budget=activation_budget)

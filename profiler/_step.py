@@ -129,18 +129,15 @@ def profile_step(
 
     ``target`` is a ``ModelBundle`` (from ``adaptive_mem.build_model``), a
     :class:`StepTarget`, or an ``nn.Module`` with ``inputs`` and ``loss_fn``.
-    On a real device times are measured (``warmup`` untimed plain steps, then
-    ``repeat`` timed plain steps whose median is ``step_time``, alternating with
-    ``record`` recorded steps whose per-op median times are the ops' times (Note:
-    [op time medians]); ``repeat=0`` takes ``step_time`` from the recorded ops); on fake
-    tensors they are estimated for ``hardware`` (default ``h100``) from one
-    recorded step.
+    On a real device times are measured (``warmup`` untimed plain steps, then ``repeat`` timed plain steps whose
+    median is ``step_time``, alternating with ``record`` recorded steps whose per-op median times are the ops'
+    times (Note: [op time medians]); ``repeat=0`` takes ``step_time`` from the recorded ops); on fake tensors
+    they are estimated for ``hardware`` (default ``h100``) from one recorded step.
     Parameter ``.grad`` are restored afterwards; the RNG state is untouched.
     ``optimizer_time``: seconds of one optimizer step when the caller knows them; None times a
     scratch copy of ``optimizer`` (Adam when None) on a real device and estimates it on fake tensors.
-    ``compile``: a ``torch.compile`` backend (``inductor``, ``aot_eager``): the profile describes the model
-    with every block compiled (:func:`profile_compiled`); ``compile_layout="whole-model"``: its saved bytes
-    those of the model compiled whole.
+    ``compile``: a ``torch.compile`` backend (``inductor``, ``aot_eager``): the profile describes the model with
+    every block compiled (:func:`profile_compiled`; ``compile_layout="whole-model"``: the whole model's saves).
     ``meter``: the device's live and peak bytes (``live()``, ``peak()``, ``reset_peak()``; on CPU an
     ``adaptive_mem.DeviceMemory``; on an accelerator its allocator's statistics by default): what the device
     holds beside the step's tensors is measured with it (``static.other``: Note: [other device memory]) and

@@ -10,11 +10,12 @@ from ._budget import Budget, DeviceMemoryError, minimum_budget
 from ._sizes import BudgetError, fmt_bytes, parse_bytes
 from ._pipeline import merge_plans
 from ._scaling import ScalingCheck, profile_for_batch, scale_profile, scaling_error
+from ._seq_scaling import SeqLenBucketError, scale_to_seq_len, seq_len_bucket
 from ._throughput import BatchSizesError, ThroughputResult, ThroughputRow, maximize_throughput
 
 __all__ = ["Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
            "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",
-           "ScalingCheck", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel", "ThroughputResult",
-           "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput", "merge_plans",
-           "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
-           "scaling_error", "simulate", "solver_names"]
+           "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel",
+           "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput",
+           "merge_plans", "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
+           "scale_to_seq_len", "scaling_error", "seq_len_bucket", "simulate", "solver_names"]

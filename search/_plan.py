@@ -19,6 +19,8 @@ import yaml
 
 from profiler.naming import COMPILE_CHILD, module_path
 
+from ._buckets import seq_len_bucket
+from ._plan_buckets import PlanError, buckets_to_list, parse_buckets
 from ._yaml import load_document
 
 __all__ = ["PLAN_FORMAT", "PLAN_VERSION", "Action", "Decision", "Plan", "PlanError", "KEEP"]
@@ -29,10 +31,6 @@ PLAN_FORMAT = "adaptive-mem-plan"
 PLAN_VERSION = 1
 MAX_PREFETCH = 2**31 - 1
 """The largest ``backward_prefetch``: any count past the layers left already means "at the start of backward"."""
-
-
-class PlanError(ValueError):
-    """A plan is not of the documented form, or does not fit the model it is applied to."""
 
 
 class Action(str, enum.Enum):
@@ -184,6 +182,9 @@ class Plan:
     group and all-gather them in backward (Megatron ``--distribute-saved-activations``)."""
     version: int = PLAN_VERSION
     """Schema version."""
+    buckets: list[tuple[int, "Plan"]] = field(default_factory=list)
+    """``(seq_len, plan)`` per sequence-length bucket, ascending; empty (and not written) for a plan of one shape.
+    Note: [plan buckets]."""
 
     def __post_init__(self) -> None:
         self.decisions = _module_paths(self.decisions)
@@ -244,6 +245,14 @@ class Plan:
                 out.setdefault(i, (target, decision))
         return out
 
+    def for_seq_len(self, seq_len: int) -> "Plan":
+        """The plan for inputs of ``seq_len`` tokens: the smallest bucket's at least that long (Note: [plan
+        buckets]); this plan when it has no buckets. A length above every bucket raises
+        :class:`search.SeqLenBucketError`."""
+        if not self.buckets:
+            return self
+        return dict(self.buckets)[seq_len_bucket(seq_len, tuple(s for s, _ in self.buckets))]
+
     def targets(self, action: Action) -> list[str]:
         return [t for t, d in self.decisions.items() if d.action is action]
 
@@ -257,7 +266,7 @@ class Plan:
 
     # ---------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "format": PLAN_FORMAT,
             "version": self.version,
             "fingerprint": self.fingerprint,
@@ -267,6 +276,9 @@ class Plan:
             "distribute_saved_activations": self.distribute_saved_activations,
             "meta": dict(self.meta),
         }
+        if self.buckets:
+            data["buckets"] = buckets_to_list(self.buckets)
+        return data
 
     def dumps(self, *, fmt: str = "yaml") -> str:
         if fmt == "json":
@@ -282,7 +294,7 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"plan: expected a mapping, got {type(data).__name__}")
         allowed = {"format", "version", "fingerprint", "model", "decisions", "groups", "distribute_saved_activations",
-                   "meta"}
+                   "meta", "buckets"}
         for key in data:
             if key not in allowed:
                 raise PlanError(f"plan.{key}: unknown key; expected one of {sorted(allowed)}")
@@ -313,9 +325,12 @@ class Plan:
         distribute = data.get("distribute_saved_activations", False)
         if not isinstance(distribute, bool):
             raise PlanError(f"plan.distribute_saved_activations={_short(distribute)}: expected true or false")
-        return cls(decisions=decisions, fingerprint=fingerprint, model=dict(data.get("model", {})),
+        plan = cls(decisions=decisions, fingerprint=fingerprint, model=dict(data.get("model", {})),
                    meta=dict(data.get("meta", {})), groups=[list(g) for g in groups],
                    distribute_saved_activations=distribute)
+        if "buckets" in data:
+            plan.buckets = parse_buckets(data["buckets"], plan)
+        return plan
 
     @classmethod
     def loads(cls, text: str, *, source: str = "<string>") -> "Plan":

@@ -13,6 +13,10 @@ from ._pipeline import (Stage, StageStatic, busiest_stage, rank_peak, split_layo
 from ._plan import KEEP, matches
 from ._reserve import reserved_at_peak
 from ._scaling import keep_all_step_time
+from ._plan_buckets import bucketed_plan
+from ._seq_profiles import seq_len_profiles, structure_of
+from ._seq_scaling import (SEQ_SCALING_TOLERANCE, SeqLenBucketError, SeqScalingCheck, parse_seq_lens,
+                           profile_for_seq_len, scale_to_seq_len, score_ops, seq_len_bucket, seq_scaling_error)
 from ._schedules import chunk_layers, in_flight, pipeline_step_time
 from ._simulator import resolve, segments, simulate_assignment
 from ._solver import fmt_seconds, plan_from_assignment
@@ -20,10 +24,13 @@ from ._throughput import parse_batch_sizes
 from ._timeline import Interval, Timeline
 from ._yaml import load_document
 
-__all__ = ["Assignment", "Interval", "KEEP", "Stage", "StageStatic", "Timeline", "activation_peak", "busiest_stage",
+__all__ = ["Assignment", "Interval", "KEEP", "SEQ_SCALING_TOLERANCE", "SeqLenBucketError", "SeqScalingCheck", "Stage",
+           "StageStatic", "Timeline", "activation_peak", "bucketed_plan", "busiest_stage",
            "check_feasible",
            "check_plan_matches", "chunk_layers", "data_parallel_comm", "device_capacity", "device_shortfall",
            "fmt_seconds", "in_flight", "keep_all", "keep_all_step_time", "load_document", "matches",
-           "min_candidates", "parse_batch_sizes", "pipeline_step_time", "plan_from_assignment", "rank_peak", "reserved_at_peak",
+           "min_candidates", "parse_batch_sizes", "parse_seq_lens", "profile_for_seq_len", "pipeline_step_time",
+           "plan_from_assignment", "rank_peak", "reserved_at_peak",
            "resolve",
-           "segments", "simulate_assignment", "split_layout", "split_stages", "stage_static", "stage_statics"]
+           "scale_to_seq_len", "score_ops", "segments", "seq_len_bucket", "seq_len_profiles", "seq_scaling_error",
+           "simulate_assignment", "split_layout", "split_stages", "stage_static", "stage_statics", "structure_of"]

@@ -28,7 +28,7 @@ EXPECTED: dict[str, set[str]] = {
     "search": {"<profile>", "--hardware", "--budget", "--activation-budget", "--solver", "--pipeline-stages",
                "--micro-batches", "-o", "--output", "--format", "--maximize", "--batch-sizes", "--model",
                "--model-args", "--tensor-parallel", "--virtual-pipeline-stages", "--data-parallel",
-               "--sequence-parallel", "--zero", "--schedule"},
+               "--sequence-parallel", "--zero", "--schedule", "--seq-lens"},
     "simulate": {"<profile>", "--hardware", "<plan>", "--timeline"},
     "estimate": {"--model", "--model-args", "--hardware", "--gpus", "--precision", "--batch-size", "--seq-len",
                  "--ac", "--solver", "--json", "--compile", "--tensor-parallel", "--pipeline-stages", "--virtual-pipeline-stages",
@@ -95,16 +95,18 @@ PUBLIC = {
     "search": {
         "Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
         "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",
-        "ScalingCheck", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel", "ThroughputResult",
-        "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput", "merge_plans",
-        "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile", "scaling_error",
-        "simulate", "solver_names"},
+        "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel",
+        "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput",
+        "merge_plans", "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
+        "scale_to_seq_len", "scaling_error", "seq_len_bucket", "simulate", "solver_names"},
 }
 
 # a plan file's keys, and one decision's
 PLAN_KEYS = ["format", "version", "fingerprint", "model", "decisions", "groups", "distribute_saved_activations",
              "meta"]
 DECISION_KEYS = {"action", "backward_prefetch"}
+# a plan per sequence-length bucket (``search --seq-lens``): the plan's keys, then its buckets, each {seq_len, plan}
+BUCKET_KEYS = {"seq_len", "plan"}
 
 
 def test_script_flags_are_frozen():
@@ -129,3 +131,12 @@ def test_plan_keys_are_frozen():
     data = Plan(decisions={"layers.0": Decision(Action.SWAP)}).to_dict()
     assert list(data) == PLAN_KEYS
     assert set(data["decisions"]["layers.0"]) == DECISION_KEYS
+
+
+def test_bucket_plan_keys_are_frozen():
+    from search import Plan
+    from search.planning import bucketed_plan
+
+    data = bucketed_plan({16: Plan(model={"seq_len": 16}), 32: Plan(model={"seq_len": 32})}).to_dict()
+    assert list(data) == PLAN_KEYS + ["buckets"]
+    assert all(set(b) == BUCKET_KEYS and list(b["plan"]) == PLAN_KEYS for b in data["buckets"])

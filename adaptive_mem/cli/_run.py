@@ -142,9 +142,10 @@ def _apply(args: argparse.Namespace, bundle, opt, loaded, cap: int | None):
         plan = args.plan
         if plan is not None:  # refuse a plan for other inputs before it logs anything as applied
             from adaptive_mem.runtime._apply import check_inputs
+            from adaptive_mem.runtime._buckets import plan_for_inputs
 
-            plan = loaded
-            check_inputs(plan, model, bundle.batch(seed=args.seed), {})
+            plan, batch = loaded, bundle.batch(seed=args.seed)
+            check_inputs(plan_for_inputs(plan, batch), model, batch, {})
         return optimize(model, plan=plan, config=args.config, host_store=args.host_store,
                         host_memory_budget=args.host_memory_budget, compile=args.compile), cap
     if args.compile is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from search import Budget, fmt_bytes
-from search.planning import fmt_seconds
+from search.planning import fmt_seconds, parse_seq_lens
 from profiler import Layout
 
 from adaptive_mem._search import StageResult, check_arguments, search
@@ -28,7 +28,8 @@ log = logging.getLogger(__name__)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("profile", nargs="+", help="Profile JSON written by `adaptive-mem profile` (with --maximize "
-                        "throughput: several, of one model at different batch sizes)")
+                        "throughput: several, of one model at different batch sizes; with --seq-lens: at different "
+                        "sequence lengths)")
     parser.add_argument("--hardware", default=None, metavar="NAME",
                         help=f"link bandwidth from this spec instead of the profile's: {', '.join(HARDWARE_NAMES)}")
     budget = parser.add_mutually_exclusive_group(required=True)
@@ -49,6 +50,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plan (adaptive-mem plan YAML/JSON, default), mindformers (recompute_config + "
                              "swap_config YAML) or megatron (flags)")
     add_throughput_arguments(parser)
+    parser.add_argument("--seq-lens", default=None, metavar="LIST",
+                        help="a plan per sequence-length bucket, e.g. 512,1024,2048,4096, in one plan file: each "
+                             "searched under the same budget on the profile scaled to that length (or, with "
+                             "--model, profiled there); optimize and run --plan pick the plan per step from the "
+                             "input's length")
     add_layout_arguments(parser, skip=("--pipeline-stages", "--micro-batches"))
 
 
@@ -102,12 +108,47 @@ def _report_stage(stage: StageResult, args: argparse.Namespace) -> None:
         log.warning("%s%s", stage.where, stage.shortfall)
 
 
+def _say_bucket(seq_len: int, profile) -> None:
+    made = profile.model.get("extrapolated_from_seq_lens")
+    how = "a profile at that length" if made is None else f"scaled from {', '.join(map(str, made))}"
+    print(f"sequence length {seq_len} ({how}):")
+
+
+def _run_buckets(args: argparse.Namespace) -> int:
+    """``--seq-lens``: a plan per bucket in one plan file (Note: [plan buckets])."""
+    if args.maximize is not None:
+        raise ValueError(f"--seq-lens={args.seq_lens!r} with --maximize {args.maximize}: expected one of them")
+    if args.batch_sizes is not None:
+        raise ValueError(f"--batch-sizes={args.batch_sizes!r} with --seq-lens: expected --maximize throughput for "
+                         "batch sizes (a plan per length keeps the profile's batch size)")
+    if args.format != "plan":
+        raise ValueError(f"--format={args.format!r} with --seq-lens: expected plan (one file holding a plan per "
+                         "bucket)")
+    parse_seq_lens(args.seq_lens)
+    check_arguments(solver=args.solver, solver_options={}, pipeline_stages=args.pipeline_stages,
+                    micro_batches=args.micro_batches, budget=args.budget, activation_budget=args.activation_budget)
+    Budget.parse(budget=args.budget, activation_budget=args.activation_budget)
+    check_output_path(args.output, flag="--output")
+    result = search(args.profile, budget=args.budget, activation_budget=args.activation_budget, solver=args.solver,
+                    hardware=args.hardware, progress=True, on_stage=lambda stage: _report_stage(stage, args),
+                    seq_lens=args.seq_lens, model=args.model, model_args=args.model_args, on_bucket=_say_bucket,
+                    **given_flags(args))
+    _write(result.plan, "plan", args.output, result.profile.num_layers)
+    lengths = ",".join(str(s) for s, _ in result.buckets)
+    print(f"wrote {args.output} (plan, {len(result.buckets)} buckets: sequence lengths {lengths})")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.seq_lens is not None:
+        return _run_buckets(args)
     if args.maximize is not None:
         return run_throughput(args, write=_write)
-    for value, flag in ((args.batch_sizes, "--batch-sizes"), (args.model, "--model"), (args.model_args, "--model-args")):
+    if args.batch_sizes is not None:
+        raise ValueError(f"--batch-sizes={args.batch_sizes!r} without --maximize throughput: expected both")
+    for value, flag in ((args.model, "--model"), (args.model_args, "--model-args")):
         if value is not None:
-            raise ValueError(f"{flag}={value!r} without --maximize throughput: expected both")
+            raise ValueError(f"{flag}={value!r} without --maximize throughput or --seq-lens: expected one of them")
     if len(args.profile) > 1:
         raise ValueError(f"profile={' '.join(args.profile)!r}: {len(args.profile)} profiles; expected one "
                          "(several only with --maximize throughput)")

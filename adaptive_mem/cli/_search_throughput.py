@@ -27,8 +27,9 @@ def add_throughput_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default=None, metavar="LIST",
                         help="with --maximize throughput: micro-batch sizes to compare, e.g. 1,2,4,8 or 1-16")
     parser.add_argument("--model", default=None, metavar="SPEC",
-                        help="with --maximize throughput: profile each batch size that no PROFILE covers with this "
-                             "model spec (else those are extrapolated from the profiles)")
+                        help="with --maximize throughput (--seq-lens): profile each batch size (sequence length) "
+                             "that no PROFILE covers with this model spec, as the profile was made (else those are "
+                             "extrapolated from the profiles)")
     parser.add_argument("--model-args", default=None, metavar="K=V,...", help="with --model: the model's overrides")
 
 

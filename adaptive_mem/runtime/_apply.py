@@ -190,9 +190,10 @@ def _unwrap_data_parallel(model: nn.Module, plan: Plan) -> nn.Module:
 def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None, config: Any = None,
                profile: Any = None, example_inputs: tuple | None = None, host_store: str = "memory",
                host_dir: str | None = None, host_memory_budget: Any = None,
-               structure: ModelStructure | None = None) -> OptimizeHandle:
+               structure: ModelStructure | None = None, units: list[str] | None = None) -> OptimizeHandle:
     """Apply a keep/recompute/swap plan to ``model`` until the returned handle is removed (the arguments
-    are :func:`adaptive_mem.optimize`'s without ``budget``; ``structure``: ``model``'s, when found already)."""
+    are :func:`adaptive_mem.optimize`'s without ``budget``; ``structure``: ``model``'s, when found already;
+    ``units``: the step's unit names, when traced already)."""
     if host_store not in ("memory", "file"):
         raise ValueError(f"optimize: host_store={host_store!r}: expected 'memory' or 'file'")
     host_budget = as_host_budget(host_memory_budget)
@@ -203,7 +204,6 @@ def apply_plan(model: nn.Module, *, plan: Plan | str | Path | dict | None = None
         raise ValueError("optimize: this model already has a plan applied; remove() its handle first")
     structure = structure.of_model(model) if structure is not None else ModelStructure.of(model)
     _check_structure(plan, structure)
-    units = None
     if profile is not None:
         if isinstance(profile, (str, Path)):
             from profiler import Profile
