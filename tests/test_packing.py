@@ -87,6 +87,8 @@ def test_packed_batch_is_the_flattening_collators_form():
     for name, tensor in zip(("input_ids", "position_ids", "labels"), (ids, positions, labels)):
         assert torch.equal(collated[name], tensor), name
     assert all(torch.equal(a, b) for a, b in zip(bundle.batch(seed=0), (ids, positions, labels)))
+    repacked = hf_packed(bundle, (5, 5))  # the same model, other lengths
+    assert repacked.model is bundle.model and repacked.batch(seed=0)[1].tolist() == [[0, 1, 2, 3, 4] * 2]
 
 
 def test_packed_sequences_attend_within_themselves_only():
@@ -267,3 +269,28 @@ def test_packed_step_exact_with_the_cache(family: str):
     with optimize(bundle.model, config=CONFIGS["mixed-alternating"]) as handle:
         assert handle.summary().takes_effect, handle.summary()
         _assert_same(_step(bundle, batch), ref, f"{family} with the cache")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_milp_bucket_plans_on_packed_steps_of_varying_totals_are_exact(family: str, tmp_path):
+    """``search --seq-lens`` on the profile of a packed step of 128 tokens (scaled to the shorter buckets): each
+    packed step runs the plan of its total's bucket, exactly; the 128 bucket's plan decides something."""
+    import profiler
+    from adaptive_mem.cli import main
+
+    steps = _packed_steps(family)[:5]  # 64, 94, 63, 120, 64 tokens
+    profile = profiler.profile_step(hf_packed(steps[0], (40, 24, 50, 14)), warmup=0, repeat=0, record=1,
+                                    optimizer_time=0.0)
+    profile.save(tmp_path / "p.json")
+    budget = profile.static.total + (profile.peak_memory - profile.static.total) // 2
+    plan = tmp_path / "plans.json"
+    assert main(["search", str(tmp_path / "p.json"), "--budget", f"{budget}B", "--seq-lens", "32,64,128",
+                 "-o", str(plan)]) == 0
+    batches = [bundle.batch(seed=i) for i, bundle in enumerate(steps)]
+    want = [_step(bundle, batch) for bundle, batch in zip(steps, batches)]
+    with optimize(steps[0].model, plan=str(plan)) as handle:
+        for i, (bundle, batch) in enumerate(zip(steps, batches)):
+            _assert_same(_step(bundle, batch), want[i], f"{family} step {i} ({bundle.seq_len} tokens)")
+            assert handle.bucket == (64, 128, 64, 128, 64)[i]
+            if handle.bucket == 128:
+                assert handle.summary().takes_effect, handle.summary()

@@ -184,8 +184,10 @@ def hf_packed(bundle: Any, lengths: Sequence[int]) -> Any:
     ``(input_ids, position_ids, labels)``, each ``[1, sum(lengths)]``; ``position_ids`` restart at 0 at each
     sequence, ``labels`` are the ids with -100 at each sequence's first token (no token predicts across a
     boundary); the loss is the model's own on ``labels``. transformers reads the packing from ``position_ids``
-    and attends within each sequence only. ``seq_len`` is the total of ``lengths``, ``batch_size`` 1."""
-    if not bundle.spec.startswith("hf:") or bundle.spec[3:] in HF_HEADS or bundle.batch_fn is not None:
+    and attends within each sequence only. ``seq_len`` is the total of ``lengths``, ``batch_size`` 1; ``bundle``
+    may be packed already (its model, other lengths)."""
+    repacked = hasattr(bundle.loss_fn, "packed")  # a packed bundle packs other lengths
+    if not bundle.spec.startswith("hf:") or bundle.spec[3:] in HF_HEADS or (bundle.batch_fn and not repacked):
         raise ModelSpecError(f"model spec {bundle.spec!r}: packed batches: expected an hf:<family> causal LM")
     lengths = tuple(lengths)
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
