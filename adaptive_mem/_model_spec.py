@@ -110,7 +110,7 @@ class ModelBundle:
 
     def loss(self, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """Forward and a scalar loss (no backward); raises ModelSpecError when it has no grad."""
-        hf = self.loss_fn is None or self.spec.startswith("hf:")
+        hf = (self.loss_fn is None or self.spec.startswith("hf:")) and not getattr(self.loss_fn, "packed", False)
         unpacked = _hf_unpacked_sequences() if self.fake_mode is not None and hf else None
         with self.mode(), unpacked or contextlib.nullcontext():
             if self.loss_fn is not None:

@@ -5,15 +5,18 @@ gradient checkpointing does); planned layers that do get a ``Cache`` handle it (
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
-from typing import Any
+from typing import Any, Sequence
 
+import torch
 from torch import nn
 
 from ._errors import ModelSpecError
 
-__all__ = ["HF_FAMILIES", "HF_HEADS", "build_hf", "class_defaults", "hf_unpacked_sequences", "shape_args"]
+__all__ = ["HF_FAMILIES", "HF_HEADS", "build_hf", "class_defaults", "hf_packed", "hf_unpacked_sequences",
+           "shape_args"]
 
 _log = logging.getLogger(__name__)
 
@@ -160,9 +163,10 @@ def rejected(spec: str, class_name: str, args: dict[str, Any], exc: BaseExceptio
 def hf_unpacked_sequences() -> contextlib.AbstractContextManager | None:
     """On fake tensors, tell transformers' mask builder that the batch holds no packed sequences.
 
-    transformers reads ``position_ids`` to detect packed sequences; fake tensors have no values, so it
-    would assume packing and build an explicit mask, a different attention path from the real run.
-    :meth:`ModelBundle.batch` makes one whole sequence per row, so "not packed" is the true answer.
+    Note: [packed on fake tensors] transformers reads ``position_ids`` to detect packed sequences; fake
+    tensors have no values, so it would assume packing and build an explicit mask, a different attention path
+    from the real run. :meth:`ModelBundle.batch` makes one whole sequence per row, so "not packed" is the true
+    answer; a :func:`hf_packed` step of several sequences is packed, and runs without this patch.
     """
     import sys
     from unittest import mock
@@ -171,3 +175,38 @@ def hf_unpacked_sequences() -> contextlib.AbstractContextManager | None:
     if masking is None or not hasattr(masking, "find_packed_sequence_indices"):
         return None
     return mock.patch.object(masking, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+def hf_packed(bundle: Any, lengths: Sequence[int]) -> Any:
+    """``bundle`` (an ``hf:`` causal LM's :class:`ModelBundle`) stepping on padding-free packed batches.
+
+    Its batch is what transformers' ``DataCollatorWithFlattening`` makes of ``len(lengths)`` sequences:
+    ``(input_ids, position_ids, labels)``, each ``[1, sum(lengths)]``; ``position_ids`` restart at 0 at each
+    sequence, ``labels`` are the ids with -100 at each sequence's first token (no token predicts across a
+    boundary); the loss is the model's own on ``labels``. transformers reads the packing from ``position_ids``
+    and attends within each sequence only. ``seq_len`` is the total of ``lengths``, ``batch_size`` 1; ``bundle``
+    may be packed already (its model, other lengths)."""
+    repacked = hasattr(bundle.loss_fn, "packed")  # a packed bundle packs other lengths
+    if not bundle.spec.startswith("hf:") or bundle.spec[3:] in HF_HEADS or (bundle.batch_fn and not repacked):
+        raise ModelSpecError(f"model spec {bundle.spec!r}: packed batches: expected an hf:<family> causal LM")
+    lengths = tuple(lengths)
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise ModelSpecError(f"packed lengths={lengths!r}: expected one or more positive integers")
+    fake_mode, device, vocab = bundle.fake_mode, bundle.device, bundle.vocab_size
+
+    def batch_fn(seed: int) -> tuple[torch.Tensor, ...]:
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(3, vocab, (1, sum(lengths)), generator=gen)
+        positions = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        labels = ids.clone()
+        labels[0, torch.tensor([0, *lengths[:-1]]).cumsum(0)] = -100
+        if fake_mode is not None:
+            return tuple(fake_mode.from_tensor(t) for t in (ids, positions, labels))
+        return ids.to(device), positions.to(device), labels.to(device)
+
+    def loss_fn(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        ids, positions, labels = batch
+        return model(input_ids=ids, position_ids=positions, labels=labels).loss
+
+    loss_fn.packed = len(lengths) > 1  # Note: [packed on fake tensors]
+    return dataclasses.replace(bundle, batch_size=1, seq_len=sum(lengths), batch_fn=batch_fn, loss_fn=loss_fn)
