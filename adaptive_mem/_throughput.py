@@ -20,7 +20,7 @@ from profiler import HardwareSpec, Profile, hardware_spec
 from search import (Budget, DeviceMemoryError, Plan, ScalingCheck, ThroughputResult, fmt_bytes, get_solver,
                     scaling_error)
 from search import maximize_throughput as _maximize
-from search.planning import device_capacity, parse_batch_sizes
+from search.planning import device_capacity, parse_batch_sizes, profiles_by, structure_of
 
 __all__ = ["ThroughputSearchResult", "check_model_args", "maximize_throughput"]
 
@@ -53,31 +53,6 @@ class ThroughputSearchResult:
         return self.table.best_row.peak_bytes
 
 
-def _structure(profile: Profile) -> str | None:
-    fingerprint = profile.model.get("fingerprint")
-    return fingerprint.partition("-")[0] if isinstance(fingerprint, str) else None
-
-
-def _load_profiles(items: Iterable[Profile | str | Path]) -> dict[int, Profile]:
-    out: dict[int, Profile] = {}
-    for i, item in enumerate(items):
-        where = f"profiles[{i}]" if isinstance(item, Profile) else str(item)
-        profile = item if isinstance(item, Profile) else Profile.load(item)
-        batch = profile.model.get("batch_size")
-        if batch is None:
-            raise ValueError(f"profile={where!r}: profile.model.batch_size is missing; expected the batch size it "
-                             "was made at (throughput mode scales by it)")
-        if batch in out:
-            raise ValueError(f"profile={where!r}: a second profile at batch size {batch}; expected one per batch size")
-        if out:
-            first = next(iter(out.values()))
-            if _structure(profile) != _structure(first) or profile.num_layers != first.num_layers:
-                raise ValueError(f"profile={where!r}: another model than the first profile's; expected profiles of "
-                                 "one model at different batch sizes")
-        out[batch] = profile
-    return out
-
-
 def _profile_more(model: str, model_args: str | dict | None, profiles: dict[int, Profile], sizes: list[int]) -> None:
     """Profile the requested batch sizes no profile covers, as the first profile was made."""
     import profiler
@@ -94,9 +69,9 @@ def _profile_more(model: str, model_args: str | dict | None, profiles: dict[int,
                              dtype=ref.model.get("dtype", "float32"), device=device)
         prof = profiler.profile_step(bundle, hardware=None if ref.measured else ref.hardware,
                                      optimizer=ref.static.optimizer)
-        if _structure(prof) != _structure(ref):
+        if structure_of(prof) != structure_of(ref):
             raise ValueError(f"--model={model!r}: another model than the profile's (structure fingerprint "
-                             f"{_structure(prof)} vs {_structure(ref)}); expected the spec the profile was made from")
+                             f"{structure_of(prof)} vs {structure_of(ref)}); expected the spec the profile was made from")
         if ref.measured:  # the calibrated costs of swaps and SAC policies carry over
             prof = dataclasses.replace(prof, hardware=ref.hardware)
         profiles[b] = prof
@@ -126,7 +101,7 @@ def maximize_throughput(profiles: Profile | str | Path | Iterable[Profile | str 
     parsed = Budget(total=budget) if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0 \
         else Budget.parse(budget=budget)
     spec = hardware_spec(hardware) if isinstance(hardware, str) else hardware
-    loaded = _load_profiles([profiles] if isinstance(profiles, (Profile, str, Path)) else profiles)
+    loaded = profiles_by(profiles, "batch_size", why="throughput mode scales by it")
     ref = next(iter(loaded.values()))
     cap = device_capacity(spec or ref.hardware)
     if cap is not None and parsed.total is not None and parsed.total > cap:

@@ -11,7 +11,7 @@ from profiler import Profile
 
 from ._seq_scaling import parse_seq_lens, profile_for_seq_len
 
-__all__ = ["seq_len_profiles", "structure_of"]
+__all__ = ["profiles_by", "seq_len_profiles", "structure_of"]
 
 
 def structure_of(profile: Profile) -> str | None:
@@ -20,31 +20,31 @@ def structure_of(profile: Profile) -> str | None:
     return fingerprint.partition("-")[0] if isinstance(fingerprint, str) else None
 
 
-def _check_same_model(profile: Profile, first: Profile, where: str) -> None:
-    if structure_of(profile) != structure_of(first) or profile.num_layers != first.num_layers \
-            or profile.model.get("batch_size") != first.model.get("batch_size"):
-        raise ValueError(f"profile={where!r}: another model or batch size than the first profile's; expected "
-                         "profiles of one model and batch size at different sequence lengths")
+def _same_model(profile: Profile, first: Profile, same: tuple[str, ...]) -> bool:
+    return (structure_of(profile) == structure_of(first) and profile.num_layers == first.num_layers
+            and all(profile.model.get(k) == first.model.get(k) for k in same))
 
 
-def _load(items: Any) -> dict[int, Profile]:
-    """The given profiles by sequence length: one model, one batch size, one profile per length."""
+def profiles_by(items: Any, field: str, *, why: str, same: tuple[str, ...] = ()) -> dict[int, Profile]:
+    """The given profiles (objects or files) by ``profile.model[field]`` (``seq_len``, ``batch_size``): one model,
+    the same ``same`` fields, one profile per value; ``why``: what the values are for, said when one is missing."""
     items = [items] if isinstance(items, (Profile, str, Path)) else list(items)
+    label, others = field.replace("_", " "), [k.replace("_", " ") for k in same]
     out: dict[int, Profile] = {}
     for i, item in enumerate(items):
         where = f"profiles[{i}]" if isinstance(item, Profile) else str(item)
         profile = item if isinstance(item, Profile) else Profile.load(item)
-        s = profile.model.get("seq_len")
-        if s is None:
-            raise ValueError(f"profile={where!r}: profile.model.seq_len is missing; expected the sequence length it "
-                             "was made at (--seq-lens scales by it)")
-        if s in out:
-            raise ValueError(f"profile={where!r}: a second profile at sequence length {s}; expected one per length")
-        if out:
-            _check_same_model(profile, next(iter(out.values())), where)
-        out[s] = profile
-    if not out:
-        raise ValueError("profile: none given; expected a profile to scale to the --seq-lens")
+        value = profile.model.get(field)
+        if value is None:
+            raise ValueError(f"profile={where!r}: profile.model.{field} is missing; expected the {label} it was made "
+                             f"at ({why})")
+        if value in out:
+            raise ValueError(f"profile={where!r}: a second profile at {label} {value}; expected one per {label}")
+        if out and not _same_model(profile, next(iter(out.values())), same):
+            raise ValueError(f"profile={where!r}: another model{''.join(' or ' + o for o in others)} than the first "
+                             f"profile's; expected profiles of one model{''.join(' and ' + o for o in others)} at "
+                             f"different {label}s")
+        out[value] = profile
     return out
 
 
@@ -53,12 +53,17 @@ def seq_len_profiles(profiles: Profile | str | Path | Iterable[Profile | str | P
     """The profile of each of ``seq_lens``: given; else ``profile_at(first given, seq_len)`` when given; else
     scaled from the given ones (the nearest below and above, else the two nearest)."""
     lengths = parse_seq_lens(seq_lens)
-    given = _load(profiles)
+    given = profiles_by(profiles, "seq_len", why="--seq-lens scales by it", same=("batch_size",))
+    if not given:
+        raise ValueError("profile: none given; expected a profile to scale to the --seq-lens")
     first = next(iter(given.values()))
     out = {}
     for s in lengths:
         if s not in given and profile_at is not None:
             given[s] = profile_at(first, s)
-            _check_same_model(given[s], first, f"profiled at sequence length {s}")
+            if not _same_model(given[s], first, ("batch_size",)):
+                raise ValueError(f"profile='profiled at sequence length {s}': another model or batch size than the "
+                                 "first profile's; expected profiles of one model and batch size at different "
+                                 "sequence lengths")
         out[s] = profile_for_seq_len(given, s)
     return out

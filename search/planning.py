@@ -14,7 +14,7 @@ from ._plan import KEEP, matches
 from ._reserve import reserved_at_peak
 from ._scaling import keep_all_step_time
 from ._plan_buckets import bucketed_plan
-from ._seq_profiles import seq_len_profiles, structure_of
+from ._seq_profiles import profiles_by, seq_len_profiles, structure_of
 from ._seq_scaling import (SEQ_SCALING_TOLERANCE, SeqLenBucketError, SeqScalingCheck, parse_seq_lens,
                            profile_for_seq_len, scale_to_seq_len, score_ops, seq_len_bucket, seq_scaling_error)
 from ._schedules import chunk_layers, in_flight, pipeline_step_time
@@ -32,5 +32,5 @@ __all__ = ["Assignment", "Interval", "KEEP", "SEQ_SCALING_TOLERANCE", "SeqLenBuc
            "min_candidates", "parse_batch_sizes", "parse_seq_lens", "profile_for_seq_len", "pipeline_step_time",
            "plan_from_assignment", "rank_peak", "reserved_at_peak",
            "resolve",
-           "scale_to_seq_len", "score_ops", "segments", "seq_len_bucket", "seq_len_profiles", "seq_scaling_error",
+           "profiles_by", "scale_to_seq_len", "score_ops", "segments", "seq_len_bucket", "seq_len_profiles", "seq_scaling_error",
            "simulate_assignment", "split_layout", "split_stages", "stage_static", "stage_statics", "structure_of"]

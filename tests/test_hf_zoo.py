@@ -21,7 +21,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from adaptive_mem import ConfigError, build_model, optimize
 from search import PlanError
-from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
+from _deterministic import assert_same_step as _assert_same, deterministic, seeded_step as _step  # noqa: F401 - the fixture is used by name
 
 BATCH, SEQ = 2, 32
 
@@ -69,15 +69,6 @@ def _build(family: str):
     return build_model(f"hf:{family}", model_args=args, batch_size=BATCH, seq_len=SEQ, seed=0)
 
 
-def _step(bundle, batch):
-    model = bundle.model
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = bundle.loss(batch)
-    loss.backward()
-    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(family: str):
     bundle = _build(family)
@@ -94,14 +85,6 @@ def _milp_plan(family: str, tmp_path) -> str:
     profiler.profile_step(_build(family), warmup=0, repeat=0, record=1, optimizer_time=0.0).save(profile)
     assert main(["search", str(profile), "--activation-budget", "0.5", "-o", str(plan)]) == 0
     return str(plan)
-
-
-def _assert_same(got, want, what: str) -> None:
-    loss, grads = got
-    assert torch.equal(loss, want[0]), f"{what}: loss {loss} != {want[0]}"
-    assert grads.keys() == want[1].keys(), what
-    for key, grad in want[1].items():
-        assert torch.equal(grads[key], grad), f"{what}: grad of {key} differs"
 
 
 @pytest.mark.parametrize("family,plan", CASES)

@@ -18,7 +18,7 @@ import torch
 
 from adaptive_mem import ModelSpecError, build_model, optimize
 from adaptive_mem.models._hf import HF_HEADS, hf_packed
-from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
+from _deterministic import assert_same_step as _assert_same, deterministic, seeded_step as _step  # noqa: F401 - the fixture is used by name
 from test_hf_zoo import KEYS
 
 FAMILIES = ("llama", "qwen2", "mixtral")
@@ -49,28 +49,11 @@ def _build(family: str, lengths=LENGTHS):
     return hf_packed(build_model(f"hf:{family}", model_args=args, batch_size=1, seq_len=sum(lengths), seed=0), lengths)
 
 
-def _step(bundle, batch):
-    model = bundle.model
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = bundle.loss(batch)
-    loss.backward()
-    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
 @functools.lru_cache(maxsize=None)
 def _reference(family: str):
     bundle = _build(family)
     batch = bundle.batch(seed=0)
     return bundle, batch, _step(bundle, batch)
-
-
-def _assert_same(got, want, what: str) -> None:
-    loss, grads = got
-    assert torch.equal(loss, want[0]), f"{what}: loss {loss} != {want[0]}"
-    assert grads.keys() == want[1].keys(), what
-    for key, grad in want[1].items():
-        assert torch.equal(grads[key], grad), f"{what}: grad of {key} differs"
 
 
 def test_packed_batch_is_the_flattening_collators_form():

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import profiler
 from adaptive_mem import build_model, optimize
 from search import Plan
-from _deterministic import deterministic  # noqa: F401 - the fixture is used by name
+from _deterministic import deterministic, seeded_step as _step  # noqa: F401 - the fixture is used by name
 
 FAMILIES = ("llama", "gpt2", "opt")
 BATCH, SEQ = 2, 8
@@ -30,15 +30,6 @@ def _family(family: str):
     profile = profiler.profile_step(bundle, warmup=0, repeat=0, record=1, optimizer_time=0.0)
     units = sorted(u.name for u in profile.units if u.layer is not None)
     return bundle, batch, profile, units, _step(bundle, batch)
-
-
-def _step(bundle, batch):
-    model = bundle.model
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    loss = bundle.loss(batch)
-    loss.backward()
-    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _decision(action: str, prefetch: int):
