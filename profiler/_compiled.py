@@ -26,7 +26,6 @@ from typing import Any, Callable
 
 import torch
 
-from ._compiled_whole import apply_whole
 from ._graph_names import saved_unit_bytes
 from ._partitions import fresh_call, observe_partitions
 from ._units import UnitNamer
@@ -248,7 +247,9 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
     the next block, an input the partitioner cannot drop) keeps its figure. Op forward and backward times are
     scaled so the block sums to the compiled block's measured times. ``peak_memory`` moves by the change in
     saved bytes (the transient of the step is the eager one), ``step_time`` is the compiled step's. The
-    measured figures stay under ``compiled``. Guarded by ``tests/test_profile_compiled.py``.
+    measured figures stay under ``compiled``. With ``whole`` (``layout="whole-model"``), each unit the whole
+    model's graph runs then gets what that graph saves of it (Note: [whole-model compiled profile]). Guarded by
+    ``tests/test_profile_compiled.py``.
     """
     ops = list(profile.ops)
     layer_of = {u.name: u.layer for u in profile.units}
@@ -266,13 +267,45 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
         delta_total += sum(ops[oi].saved_bytes for oi in internal) - before
         _rescale(ops, every, "fwd_time", row["keep"]["fwd_time"], integer=False)
         _rescale(ops, every, "bwd_time", row["keep"]["bwd_time"], integer=False)
+    if figures.get("whole") is not None:  # Note: [whole-model compiled profile]
+        delta_total += _apply_whole(ops, profile, figures["whole"])
     units = [dataclasses.replace(u, saved_bytes=sum(ops[oi].saved_bytes for oi in u.ops),
                                  fwd_time=sum(ops[oi].fwd_time for oi in u.ops),
                                  bwd_time=sum(ops[oi].bwd_time for oi in u.ops)) for u in profile.units]
     compiled = {**figures, "eager_step_time": profile.step_time}
-    out = dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
-                              step_time=figures["step_time"], compiled=compiled)
-    return apply_whole(out, figures["whole"]) if figures.get("whole") is not None else out
+    return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
+                               step_time=figures["step_time"], compiled=compiled)
+
+
+def _folded(profile: Any, table: dict[str, int]) -> dict[str, int]:
+    """``table`` with the bytes of names the profile lacks (ops the compiler decomposed into others, e.g. the
+    ``where`` of an attention mask) added to the unit of the nearest enclosing module that saves the most."""
+    names = {u.name for u in profile.units}
+    out = {k: v for k, v in table.items() if k in names}
+    for name, n in table.items():
+        if name in names or n <= 0:
+            continue
+        path = name
+        while path:
+            path = path.rpartition(".")[0]
+            near = [k for k in out if k.startswith(path + ".")] if path else list(out)
+            if near:
+                host = max(near, key=lambda k: (out[k], k))
+                out[host] += n
+                break
+    return out
+
+
+def _apply_whole(ops: list, profile: Any, table: dict[str, int]) -> int:
+    """Each unit ``table`` names given its bytes there, on its ops in proportion (bytes of names the profile lacks
+    folded into a neighbour); returns the change in saved bytes."""
+    folded, delta = _folded(profile, table), 0
+    for u in profile.units:
+        if u.name in folded:
+            before = sum(ops[i].saved_bytes for i in u.ops)
+            _rescale(ops, list(u.ops), "saved_bytes", folded[u.name], integer=True)
+            delta += sum(ops[i].saved_bytes for i in u.ops) - before
+    return delta
 
 
 def _attribute_units(ops: list, inner: list, table: dict[str, int] | None, path: str) -> None:

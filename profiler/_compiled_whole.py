@@ -14,7 +14,6 @@ Guarded by tests/test_profile_compiled.py.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -23,7 +22,7 @@ from ._graph_names import graph_units, saved_unit_bytes
 from ._partitions import fresh_call, observe_partitions
 from ._units import UnitNamer
 
-__all__ = ["apply_whole", "measure_whole_graph"]
+__all__ = ["measure_whole_graph"]
 
 
 def measure_whole_graph(model: torch.nn.Module, loss: Callable[[], torch.Tensor], *, backend: str) -> dict[str, int]:
@@ -54,43 +53,3 @@ def measure_whole_graph(model: torch.nn.Module, loss: Callable[[], torch.Tensor]
         for p in model.parameters():
             p.grad = None
     return table
-
-
-def _folded(profile: Any, table: dict[str, int]) -> dict[str, int]:
-    """``table`` with the bytes of names the profile lacks (ops the compiler decomposed into others, e.g. the
-    ``where`` of an attention mask) added to the unit of the nearest enclosing module that saves the most."""
-    names = {u.name for u in profile.units}
-    out = {k: v for k, v in table.items() if k in names}
-    for name, n in table.items():
-        if name in names or n <= 0:
-            continue
-        path = name
-        while path:
-            path = path.rpartition(".")[0]
-            near = [k for k in out if k.startswith(path + ".")] if path else list(out)
-            if near:
-                host = max(near, key=lambda k: (out[k], k))
-                out[host] += n
-                break
-    return out
-
-
-def apply_whole(profile: Any, table: dict[str, int]) -> Any:
-    """``profile`` with each unit ``table`` names given its bytes there, on its ops in proportion (Note:
-    [whole-model compiled profile]; bytes of names it lacks folded into a neighbour); ``peak_memory`` moves by
-    the change."""
-    table = _folded(profile, table)
-    ops = list(profile.ops)
-    delta = 0
-    for u in profile.units:
-        if u.name not in table:
-            continue
-        target, current = int(table[u.name]), sum(ops[i].saved_bytes for i in u.ops)
-        delta += target - current
-        rest = target
-        for k, i in enumerate(u.ops):
-            share = rest if k == len(u.ops) - 1 else (ops[i].saved_bytes * target // current if current else 0)
-            ops[i] = dataclasses.replace(ops[i], saved_bytes=share)
-            rest -= share
-    units = [dataclasses.replace(u, saved_bytes=sum(ops[i].saved_bytes for i in u.ops)) for u in profile.units]
-    return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta))

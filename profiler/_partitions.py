@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 from typing import Any, Callable, Iterator
 
 import torch._functorch._activation_offloading.activation_offloading as _offloading
 import torch._functorch.config as functorch_config
 from torch import fx
 
-__all__ = ["PartitionObserver", "add_partition_observer", "fresh_call", "observe_partitions",
-           "remove_partition_observer"]
+__all__ = ["PartitionObserver", "add_partition_observer", "fresh_call", "fresh_code", "observe_partitions",
+           "remove_partition_observer", "with_code"]
 
 PartitionObserver = Callable[[fx.GraphModule, fx.GraphModule, int], None]
 """``observer(fw_module, bw_module, num_fwd_outputs)``: called on each pair of partitioned graphs."""
@@ -83,11 +84,22 @@ def observe_partitions(observer: PartitionObserver) -> Iterator[None]:
 _codes = itertools.count()
 
 
+def fresh_code(fn: Callable[..., Any]) -> types.CodeType:
+    """A copy of ``fn``'s code object, distinct from every other (renamed with a process-wide ordinal)."""
+    return fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_codes)}")
+
+
+def with_code(fn: Callable[..., Any], code: types.CodeType | None = None) -> Callable[..., Any]:
+    """``fn`` with a code object of its own (``code``, or a fresh copy of its own): dynamo keeps its compiled
+    graphs per code object and guards on the code of the function it inlines, so a function with its own code
+    is traced and partitioned anew (the observers see its graphs), never served a graph traced for another."""
+    if code is None:
+        code = fresh_code(fn)
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def fresh_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """A function calling ``fn``, under a code object of its own (renamed with a process-wide ordinal): dynamo
-    keeps its compiled graphs per code object, so ``torch.compile`` of it traces and partitions anew, and the
-    observers see the graphs, however often the same module was compiled before."""
+    """A function calling ``fn`` (a bound method too) under a code object of its own (:func:`with_code`)."""
     def call(*args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
-    call.__code__ = call.__code__.replace(co_name=f"{call.__code__.co_name}_{next(_codes)}")
-    return call
+    return with_code(call)

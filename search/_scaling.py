@@ -159,19 +159,20 @@ def _rel(measured: float, predicted: float) -> float:
     return abs(predicted - measured) / measured if measured else abs(predicted)
 
 
+def keep_all_errors(measured: Profile, scaled: Profile) -> tuple[float, float]:
+    """Relative errors of ``scaled`` against ``measured``: the keep-all step's activation peak and its time."""
+    from ._budget import activation_peak, keep_all
+    from ._model import StepModel
+
+    acts = [activation_peak(m, keep_all(m)) for m in (StepModel.build(measured), StepModel.build(scaled))]
+    return _rel(acts[0], acts[1]), _rel(keep_all_step_time(measured), keep_all_step_time(scaled))
+
+
 def scaling_error(profiles: Mapping[int, Profile]) -> list[ScalingCheck]:
     """Each batch size past the two smallest, checked against the rule applied to the two smallest."""
-    from ._model import StepModel
-    from ._budget import activation_peak, keep_all
-
     sizes = sorted(profiles)
     checks = []
     for b in sizes[2:]:
-        measured, scaled = profiles[b], scale_profile((profiles[sizes[0]], profiles[sizes[1]]), b)
-        acts, times = [], []
-        for prof in (measured, scaled):
-            model = StepModel.build(prof)
-            acts.append(activation_peak(model, keep_all(model)))
-            times.append(keep_all_step_time(prof))
-        checks.append(ScalingCheck(b, tuple(sizes[:2]), _rel(acts[0], acts[1]), _rel(times[0], times[1])))
+        scaled = scale_profile((profiles[sizes[0]], profiles[sizes[1]]), b)
+        checks.append(ScalingCheck(b, tuple(sizes[:2]), *keep_all_errors(profiles[b], scaled)))
     return checks

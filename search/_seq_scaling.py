@@ -51,7 +51,7 @@ from typing import Iterable, Mapping
 from profiler import Profile
 
 from ._buckets import SeqLenBucketError, positive_length as _positive, seq_len_bucket
-from ._scaling import _Line, _rel, _same_structure
+from ._scaling import _Line, _same_structure, keep_all_errors
 
 __all__ = ["scale_to_seq_len", "seq_len_bucket", "SeqLenBucketError", "seq_scaling_error", "SeqScalingCheck",
            "SEQ_SCALING_TOLERANCE", "score_ops", "parse_seq_lens", "profile_for_seq_len"]
@@ -288,16 +288,6 @@ class SeqScalingCheck:
 
 def seq_scaling_error(measured: Profile, refs: Profile | tuple[Profile, ...]) -> SeqScalingCheck:
     """``measured`` against ``refs`` scaled to its sequence length: keep-all activation peak and step time."""
-    from ._budget import activation_peak, keep_all
-    from ._model import StepModel
-    from ._scaling import keep_all_step_time
-
     s = _seq_len(measured, "measured")
     scaled = scale_to_seq_len(refs, s)
-    acts, times = [], []
-    for prof in (measured, scaled):
-        model = StepModel.build(prof)
-        acts.append(activation_peak(model, keep_all(model)))
-        times.append(keep_all_step_time(prof))
-    return SeqScalingCheck(s, tuple(scaled.model["extrapolated_from_seq_lens"]), _rel(acts[0], acts[1]),
-                           _rel(times[0], times[1]))
+    return SeqScalingCheck(s, tuple(scaled.model["extrapolated_from_seq_lens"]), *keep_all_errors(measured, scaled))

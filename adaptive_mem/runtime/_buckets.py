@@ -92,7 +92,8 @@ class BucketedHandle(OptimizeHandle):
             try:  # Note: [plan per step]: once, so that later plans apply without a trace each
                 self._units = trace_units(self.model, args, kwargs)
             except Exception as exc:  # a model fake tensors cannot run: each plan checks its own first forward
-                log.info("plan buckets: could not trace unit names on fake tensors (%s)", type(exc).__name__)
+                log.warning("plan buckets: the unit names were not traced once on fake tensors (%s: %s); each "
+                            "bucket's plan traces them at its own first forward", type(exc).__name__, exc)
         bucket = self._lengths[-1] if s is None else seq_len_bucket(s, self._lengths)
         if bucket == self.bucket or self._inner is None:
             return

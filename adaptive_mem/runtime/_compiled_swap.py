@@ -33,9 +33,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_t
 from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
+from profiler.tracing import fresh_code, with_code
 from search import Action
 
-from ._op_level import fresh_code, with_code
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide

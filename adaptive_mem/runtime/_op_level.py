@@ -27,13 +27,11 @@ recompile limit, Note: [op-level swap in a block]).
 from __future__ import annotations
 
 import functools
-import itertools
-import types
 from typing import Any, Callable
 
 import torch
 
-__all__ = ["eager_only", "fresh_code", "outside_dynamo", "with_code"]
+__all__ = ["eager_only", "outside_dynamo"]
 
 
 def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Callable[..., Any]:
@@ -47,23 +45,6 @@ def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Ca
             with torch.compiler.set_stance("force_eager"):
                 return inner(*args, **kwargs)
     return torch.compiler.disable(fn)
-
-
-def with_code(fn: Callable[..., Any], code: types.CodeType | None = None) -> Callable[..., Any]:
-    """``fn`` with a code object of its own (``code``, or a fresh copy of its own): dynamo guards on the code of
-    the function it inlines, so a forward with its own code is compiled into a graph of its own, never served one
-    traced for another (Note: [op-level swap in a block], Note: [partitioner hook])."""
-    if code is None:
-        code = fresh_code(fn)
-    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def fresh_code(fn: Callable[..., Any]) -> types.CodeType:
-    """A copy of ``fn``'s code object, distinct from every other (renamed with a process-wide ordinal)."""
-    return fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{next(_codes)}")
-
-
-_codes = itertools.count()
 
 
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:

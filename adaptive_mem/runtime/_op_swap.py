@@ -17,9 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
+from profiler.tracing import with_code
 from search import Action
 
-from ._op_level import eager_only, outside_dynamo, with_code
+from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._swap_engine import Packed, backs_parameter, local_shard, no_cycle

@@ -36,12 +36,13 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
+from profiler.tracing import with_code
 from search import Action, Plan
 from search.planning import matches
 
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
-from ._op_level import outside_dynamo, with_code
+from ._op_level import outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import LayerTrace, OpCounter, SacPolicy, trace_layer
