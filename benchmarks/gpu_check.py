@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import statistics
 import sys
@@ -297,8 +298,19 @@ def check_oom() -> dict:
     ref = seeded_step(bundle, batch)
     plain_peak, static = _peaks(bundle, batch)
     copies = sum(p.numel() * p.element_size() for p in bundle.model.parameters()) if DEVICE != "cuda" else 0
-    cap = static + copies + int(0.55 * (plain_peak - static))  # on a CPU smoke run the gradients' copies count
-    out = {"plain_peak_MiB": plain_peak / 2**20, "cap_MiB": cap / 2**20}
+    out = RESULTS["oom"] = {"plain_peak_MiB": plain_peak / 2**20, "static_MiB": static / 2**20}
+    for share in (0.8, 0.6):
+        cap = static + copies + int(share * (plain_peak - static))  # on a CPU smoke run the gradients' copies count
+        try:
+            out[f"cap {share:.0%}"] = _loop_under(bundle, batch, ref, cap)
+        except BaseException as exc:
+            out[f"cap {share:.0%}"] = {"cap_MiB": cap / 2**20, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    return out
+
+
+def _loop_under(bundle, batch, ref, cap: int) -> dict:
+    """The plain step, then 8 steps of the adaptive loop, under ``cap`` device bytes."""
+    out: dict[str, Any] = {"cap_MiB": cap / 2**20}
     with capped(cap):
         try:
             seeded_step(bundle, batch)
@@ -307,14 +319,13 @@ def check_oom() -> dict:
             out["plain_under_cap"] = "OOM as expected"
     rows = out["steps"] = []
     with capped(cap), adaptive_optimize(bundle.model, budget=cap, optimizer="sgd", pluggable_allocator=True,
-                                              cache=False) as mem:
+                                        cache=False) as mem:
         for step in range(8):
             _cuda("reset_peak_memory_stats")
             row = compare(seeded_step(bundle, batch), ref, exact=False)
             rows.append({"step": step, "ok": row["ok"], "equal": row["equal"], "diff": row["max_abs_diff"],
                          "peak_MiB": _cuda("max_memory_allocated") / 2**20})
         out["summary"] = mem.summary()
-        out["profiles"], out["converged_at"] = mem.profiles_run, mem.converged_at
         out["manager_stats"] = repr(mem.manager.stats)[:600]
     return out
 
@@ -350,6 +361,7 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test the script")
     parser.add_argument("--rounds", type=int, default=5, help="machinery: interleaved rounds")
     args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     global DEVICE
     DEVICE = args.device
     if DEVICE == "cuda" and not torch.cuda.is_available():

@@ -16,6 +16,12 @@ Which op outputs autograd saves is learnt once per layer by running a fake
 clone of the layer (:func:`trace_layer`): shapes only, nothing allocated.
 An op is identified by ``(unit, ordinal)``: its unit name and how many
 non-view ops of that unit ran before it in the same layer call.
+
+Note: [swap slots without op_output]. The forward policy finds a swap unit's output to hand its cache slot to the
+swap engine. PyTorch versions whose ``SelectiveCheckpointContext`` carries the op's output (``op_output``, the
+policy called after the op) name the slot by the output's storage. Older ones (2.11 among them) call the policy
+before the op and keep the cache as ``storage[func]``, a list appended once per saved call after the policy
+returns: there the slot is ``(func, len(storage[func]))`` at the policy call. Guarded by tests/test_sac_slots.py.
 """
 
 from __future__ import annotations
@@ -222,6 +228,9 @@ class SacPolicy:
         self.trace = trace
         self.action = action
         self.on_swap_output = on_swap_output
+        self.on_swap_slot: Callable[[Any, int, str], None] | None = None
+        self.storage: Any = None
+        """The forward context's cache (set per forward): its slots name swaps without ``op_output``."""
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         key = self.counter.op_key(func, args)
@@ -232,7 +241,10 @@ class SacPolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE
         if action == "swap":
             if not ctx.is_recompute:
-                self.on_swap_output(ctx.op_output, key[0])
+                if hasattr(ctx, "op_output"):
+                    self.on_swap_output(ctx.op_output, key[0])
+                else:  # Note: [swap slots without op_output]
+                    self.on_swap_slot(func, len(self.storage[func]), key[0])
             return CheckpointPolicy.MUST_SAVE
         if key in self.trace.saved_ops or key[0] in self.cached:
             return CheckpointPolicy.MUST_SAVE

@@ -81,6 +81,9 @@ class SacLayer:
         self.actions: dict[str, str] = {}
         self.policy: SacPolicy | None = None
         self.swap_outputs: dict[int, str] = {}
+        self.swap_slots: dict[tuple[Any, int], str] = {}
+        """Cache slots ``(func, index)`` of swap units where the policy sees no output (Note: [swap slots without
+        op_output] in ``_sac_policy.py``)."""
         self.compiled: list[CompiledSacPolicy] = []  # policies of the compiled bodies traced (Note: [compiled SAC names])
 
 
@@ -121,6 +124,7 @@ class SelectiveLayers:
         def context_fn() -> tuple[Any, Any]:
             fwd_ctx, rec_ctx = create_selective_checkpoint_contexts(state.policy)
             contexts.append(fwd_ctx)
+            state.policy.storage = fwd_ctx.storage
             return fwd_ctx, rec_ctx
 
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -129,11 +133,11 @@ class SelectiveLayers:
             args, kwargs, fresh = cache_snapshot(layer, args, kwargs, ctx.cache_warned)  # Note: [cache in recompute]
             if state.trace is None:
                 self._prepare(state, layer, orig, *(fresh() if fresh is not None else (args, kwargs)))
-            state.swap_outputs = {}
+            state.swap_outputs, state.swap_slots = {}, {}
             contexts.clear()
             out = checkpoint(replays_on_snapshot(run, fresh), *args, use_reentrant=False, context_fn=context_fn,
                              **kwargs)
-            if state.swap_outputs:
+            if state.swap_outputs or state.swap_slots:
                 self._swap_cache_entries(state, contexts[0])
             contexts.clear()
             return out
@@ -193,6 +197,7 @@ class SelectiveLayers:
         state.policy = SacPolicy(state.counter, trace,
                                  lambda unit: state.actions.get(unit) or decide(ctx.plan, unit).action.value,
                                  on_swap_output, cached=kept_collectives(ctx.plan, trace.units))
+        state.policy.on_swap_slot = lambda func, index, unit: state.swap_slots.__setitem__((func, index), unit)
 
     def _swap_cache_entries(self, state: SacLayer, fwd_ctx: Any) -> None:
         """Offload the selective-checkpoint cache slots holding outputs of swap units (private SAC storage:
@@ -200,17 +205,18 @@ class SelectiveLayers:
         engine = self.ctx.engine
         assert engine is not None
 
-        def swap(leaf: Any) -> Any:
+        def swap(leaf: Any, slot_unit: str | None = None) -> Any:
             val = getattr(leaf, "val", None)
             if not isinstance(val, torch.Tensor):
                 return leaf
-            unit = state.swap_outputs.get(val.untyped_storage()._cdata)
+            unit = slot_unit or state.swap_outputs.get(val.untyped_storage()._cdata)
             if unit is None:
                 return leaf
             prefetch = decide(self.ctx.plan, unit).backward_prefetch
             return _SwappedEntry(engine.offload(val, label=unit, layer=state.index, prefetch=prefetch))
 
-        for slots in fwd_ctx.storage.values():
+        for key, slots in fwd_ctx.storage.items():
             keys = slots.keys() if isinstance(slots, dict) else range(len(slots))
             for k in list(keys):
-                slots[k] = tree_map(swap, slots[k])
+                unit = state.swap_slots.get((key, k))  # Note: [swap slots without op_output]
+                slots[k] = tree_map(lambda leaf, unit=unit: swap(leaf, unit), slots[k])
