@@ -241,15 +241,39 @@ def check_predict() -> dict:
     fake = profile_step(build_model(spec, device="meta", **sizes), hardware="h200", optimizer="sgd")
     out = {"profile_step_s": profile.step_time, "fake_h200_step_s": fake.step_time,
            "profile_peak_GiB": simulate(profile, Plan()).peak_bytes / 2**30,
-           "fake_peak_GiB": simulate(fake, Plan()).peak_bytes / 2**30}
+           "fake_peak_GiB": simulate(fake, Plan()).peak_bytes / 2**30,
+           "link_GBps": {"h2d": profile.hardware.h2d_bandwidth / 1e9, "d2h": profile.hardware.d2h_bandwidth / 1e9},
+           "recorded_op_s": sum(o.fwd_time + o.bwd_time for o in profile.ops) + profile.unattributed_time,
+           "optimizer_s": profile.optimizer_time}
     for label, plan, predicted in _predict_plans(profile):
+        on_fake = simulate(fake, plan)
         peak, step = measure(bundle, batch, opt, plan)
         out[label] = {"measured_peak_GiB": peak / 2**30, "predicted_peak_GiB": predicted.peak_bytes / 2**30,
                       "peak_err_pct": 100 * (predicted.peak_bytes - peak) / max(peak, 1),
+                      "predicted_swapped_MiB": predicted.swapped_bytes / 2**20,
                       "measured_step_s": step, "predicted_step_s": predicted.step_time,
                       "step_err_pct": 100 * (predicted.step_time - step) / step,
+                      "fake_h200_peak_GiB": on_fake.peak_bytes / 2**30, "fake_h200_step_s": on_fake.step_time,
                       "plan": {k: str(v.action.value) for k, v in list(plan.decisions.items())[:12]}}
     return out
+
+
+def live_device_memory() -> dict:
+    """What stays on the device after a section: allocated bytes, and the modules and tensors still alive."""
+    import gc
+    import warnings
+    gc.collect()
+    warnings.simplefilter("ignore", FutureWarning)  # isinstance over every object touches deprecated aliases
+    tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.device.type == DEVICE]
+    modules = [o for o in gc.get_objects() if isinstance(o, torch.nn.Module)
+               and any(p.device.type == DEVICE for p in o.parameters(recurse=False))]
+    roots = {type(m).__name__ for m in modules}
+    holders = []
+    for t in sorted(tensors, key=lambda t: -t.numel())[:3]:
+        holders.append([type(r).__name__ for r in gc.get_referrers(t)][:6])
+    return {"allocated_MiB": _cuda("memory_allocated") / 2**20, "tensors": len(tensors),
+            "tensor_MiB": sum(t.numel() * t.element_size() for t in tensors) / 2**20,
+            "module_types": sorted(roots)[:12], "largest_holders": holders}
 
 
 def _predict_plans(profile):
@@ -375,6 +399,7 @@ def main() -> int:
                      ("oom", check_oom), ("machinery", lambda: check_machinery(args.rounds))):
         if name in chosen:
             fn()
+            RESULTS.setdefault("live_after", {})[name] = live_device_memory()
             Path(args.out, "gpu_check.json").write_text(json.dumps(RESULTS, indent=1, default=str))
     return 0
 

@@ -21,6 +21,7 @@ from ._other_memory import AcceleratorMeter, MemoryMeter, measured_memory, read
 from ._precision import Precision, PrecisionError, autocast_loss, check_model_dtype, precision_of
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder
+from ._sync_fit import fit_to_step
 from ._static import allocated_optimizer_state, gradient_split, held_beyond_model, static_memory
 from ._target_kernels import cuda_attention
 from ._timing import timed
@@ -293,6 +294,11 @@ def _take_median_times(recorders: list[Recorder]) -> None:
 def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,
            step_time: float | None, dtype: torch.dtype, peak: int) -> Profile:
     namer = recorder.namer
+    if not fake:
+        factor = fit_to_step(recorder, device, step_time)  # Note: [synchronized op times]
+        if factor < 1.0:
+            log.info("recorded op times scaled by %.3f to the measured %.4f s step (per-op synchronization)",
+                     factor, step_time)
     ops = [_op_record(e, namer) for e in recorder.events]
     units = _units(recorder.events, namer)
     if step_time is None:
