@@ -74,6 +74,41 @@ def test_cuda_observer_hook_rescues_once_per_failure():
         _current.remove(hook)
 
 
+def test_cuda_observer_asks_the_whole_allocation_where_a_fraction_set_the_limit():
+    """A per-process memory fraction fails an allocation while the device has far more free than asked: the
+    rescue is asked for the whole allocation, not one byte (seen on an H200: one storage per rescue)."""
+    from adaptive_mem.memory._cuda_allocator import observed_shortfall
+
+    assert observed_shortfall(3000, 1000) == 2000  # the device itself is full
+    assert observed_shortfall(64 << 20, 137 << 30) == 64 << 20  # a fraction's limit, the device nearly empty
+    assert observed_shortfall(3000, -1) == 3000 and observed_shortfall(0, 5) == 1
+
+
+def test_a_rescue_waits_on_the_host_for_its_copies():
+    """Note: [rescue waits on the host]: the storage a rescue swaps out is released before ``rescue`` returns,
+    on any copier (a stream copier's ``wait`` would only make the compute stream wait)."""
+    grads, _ = reference(1)
+    b = bundle()
+    manager = SwapManager(b.model)
+    manager.attach()
+    calls = []
+    copier = manager.engine.copier
+    wait, sync = copier.wait, copier.sync
+    copier.wait = lambda copy: calls.append("wait") or wait(copy)
+    copier.sync = lambda copy: calls.append("sync") or sync(copy)
+    try:
+        loss = b.loss(b.batch(seed=0))
+        needed = max(g.nbytes for g in manager.groups())
+        assert manager.rescue(needed) and "sync" in calls and "wait" not in calls
+        swapped = [g for g in manager.groups() if g.record is not None]
+        assert sum(g.nbytes for g in swapped) >= needed
+        assert all(g.record.d2h.landed.is_set() for g in swapped)  # landed before rescue returned
+        loss.backward()
+        assert_grads(b.model, grads[0], 0)
+    finally:
+        manager.close()
+
+
 def test_make_hook_picks_the_device_path(caplog):
     assert isinstance(make_hook(lambda n: False, torch.device("cpu")), AccountedHook)
     caplog.set_level(logging.WARNING)

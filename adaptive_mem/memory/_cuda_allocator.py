@@ -24,7 +24,7 @@ import torch
 from ._hook import OomHook, Rescue
 from ._retry import RetryOnOom
 
-__all__ = ["CudaOomHook"]
+__all__ = ["CudaOomHook", "observed_shortfall"]
 
 _observer_lock = threading.Lock()
 _observer_attached = False
@@ -35,6 +35,15 @@ def _observer(device: int, alloc: int, device_allocated: int, device_free: int) 
     hook = _current[-1] if _current else None
     if hook is not None:
         hook._observed(alloc, device_free)
+
+
+def observed_shortfall(alloc: int, device_free: int) -> int:
+    """Bytes a rescue frees for a failed allocation of ``alloc`` bytes with ``device_free`` bytes free on the
+    device: the difference where the device is full, the whole allocation where something else set the limit (a
+    per-process memory fraction leaves the device's free bytes far above the allocation)."""
+    if 0 <= device_free < alloc:
+        return alloc - device_free
+    return max(1, alloc)
 
 
 class CudaOomHook(OomHook):
@@ -58,7 +67,7 @@ class CudaOomHook(OomHook):
 
     # ------------------------------------------------------------------ the two halves
     def _observed(self, alloc: int, device_free: int) -> None:
-        needed = max(1, alloc - max(0, device_free))
+        needed = observed_shortfall(alloc, device_free)
         if self.rescue(needed):
             self._rescued = needed
 

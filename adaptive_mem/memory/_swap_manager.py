@@ -276,7 +276,13 @@ class SwapManager:
         return bool(self._no_rescue)
 
     def rescue(self, needed: int) -> bool:
-        """Swap out storages until ``needed`` bytes are released; True if anything was."""
+        """Swap out storages until ``needed`` bytes are released; True if anything was.
+
+        Note: [rescue waits on the host]. The allocation that asked is retried by the host as soon as this
+        returns, so each storage's offload copy has landed (and released the device storage) before it does:
+        the host waits for the copy. Making only the compute stream wait, as a planned swap does, leaves the
+        storage held by a copy in flight on an accelerator's side stream: the retry fails again (seen on an
+        H200: 25 rescues of one storage each, then out of memory). Guarded by tests/test_oom.py."""
         if self._no_rescue or needed <= 0:
             return False
         candidates = self.policy.candidates(self.groups())
@@ -330,7 +336,7 @@ class SwapManager:
             s.tensor = None
         group.record = slots[0].packed.record
         assert all(s.packed.record is group.record for s in slots), "one storage, one host copy"
-        self.engine.copier.wait(group.record.d2h)  # the device bytes are free once the copy landed
+        self.engine.copier.sync(group.record.d2h)  # Note: [rescue waits on the host]
         return True
 
     def _evict(self, group: StorageGroup) -> bool:
