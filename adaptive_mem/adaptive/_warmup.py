@@ -20,7 +20,6 @@ from adaptive_mem.runtime._spill import HostBudget
 from ._adapt import describe_pending
 from ._buckets import Bucket, Shape
 from ._measure import AdaptiveBudgetError
-from ._entry import run_added
 from ._plan_cache import CacheEntry, layout_sizes
 from ._planner import Planner
 from ._target_search import TargetSearch
@@ -31,21 +30,20 @@ log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logg
 
 
 class BucketWarmup:
-    """The warm-up half of the adaptive loop (Note: [the plan of the longest bucket])."""
+    """The warm-up half of the adaptive loop (Note: [each bucket its own plan])."""
 
-    def _start_shape(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, shape: Shape,
-                     known: Bucket | None) -> None:
-        """Put in force, after this step, the plan of ``known`` (the bucket covering it) or of a new bucket: the
-        cache's, one searched on a profile scaled to its length, or one searched on a profile of this step."""
-        first = self._bucket is None
-        if not first:
+    def _start_shape(self, tensors: list[torch.Tensor], shape: Shape, own: Bucket | None) -> None:
+        """Make ``own`` (the step's bucket) or a new bucket the one in force, its plan pending: its own, the cache's,
+        one searched on a profile scaled to its length, or (``state.needs_profile``) one searched on a profile of
+        a step, taken by the forward pre-hook (Note: [each bucket its own plan])."""
+        if self._bucket is not None:
             log.info("adaptive memory: input shapes changed to %s%s: %s", [list(t.shape) for t in tensors],
-                     f" ({shape.bucket} tokens planned)" if shape.bucket else "", "its plan" if known else "planning")
-        self._bucket = known or self.buckets.add(shape, Planner(self.solver), CacheEntry(self.cache, self.ranks))
+                     f" ({shape.bucket} tokens planned)" if shape.bucket else "", "its plan" if own else "planning")
+        self._bucket = own or self.buckets.add(shape, Planner(self.solver), CacheEntry(self.cache, self.ranks))
         state = self.state = self._bucket.state
         self.planner, self.cache_entry = self._bucket.planner, self._bucket.cache_entry
-        if known is not None:
-            state.pending, state.kind = known.plan if known.plan is not self.plan else False, "bucket"
+        if own is not None:
+            state.pending, state.kind = own.plan if own.plan is not self.plan else False, "bucket"
             return
         self.cache_entry.select(self.model, inputs=tensors, budget=self.budget, structure=self._structure,
                                 parallel=layout_sizes(self.parallel, self.ranks, self.model), bucket=shape.bucket)
@@ -67,26 +65,27 @@ class BucketWarmup:
                 raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profile at {taken} tokens scaled): "
                                           f"expected a larger budget or shorter sequences") from None
             state.kind = "bucket"
-        elif self._handle is not None:
-            state.pending = None  # profile the plain model at the next step
+        else:  # profiled by the pre-hook, on the plain model: with a plan in force, at the next step
+            state.pending = None
             state.needs_profile = True
             state.kind = "warmup"
-        else:
-            self._plan_from_profile(args, kwargs)
 
-    def _apply_before_forward(self, args: tuple, kwargs: dict) -> None:
-        """A longer bucket's plan, with none in force, applied for this step (Note: [a plan applied before the
-        forward]); the step then judges it. Under data parallelism the group applies it at the step's end."""
+    def _in_force(self, shape: Shape, *, now: bool, known: bool) -> None:
+        """Apply the pending plan of the bucket just made the one in force, for this step, where ``now`` allows:
+        the step then judges it. Under data parallelism a new bucket's plan, decided by one rank, comes at the
+        step's end; until then the plan of the longest known bucket covering the step is in force."""
         state = self.state
-        if state.kind != "bucket" or state.pending is None or state.pending is False or self._handle is not None \
-                or self.ranks.active:
+        if not now or state.kind not in ("bucket", "cached") or state.pending is False:
             return
-        log.info("adaptive memory: %s", describe_pending(state))
-        before = list(self.model._forward_pre_hooks.values())
-        self._apply(state.pending)
-        state.pending = False
-        run_added(self.model, before, args, kwargs)
-        state.kind = "steady" if state.converged else "adapt"
+        if known or not self.ranks.active:
+            log.info("adaptive memory: %s", describe_pending(state))
+            self._apply(state.pending)
+            state.pending = False
+            state.kind = "steady" if state.converged else "adapt"
+            return
+        cover = self.buckets.covering(shape)
+        if cover is not None and cover.plan is not self.plan:
+            self._apply(cover.plan, of=cover)
 
     def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
         state = self.state
