@@ -30,7 +30,8 @@ from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan, trace_units
 from adaptive_mem.runtime._resolve import resolve_plan
 from adaptive_mem.runtime._summary import PlanSummary
 
-__all__ = ["BucketedHandle", "apply_any_plan", "pick_before_call", "plan_for_inputs", "seq_len_of", "stop_picking"]
+__all__ = ["BucketedHandle", "apply_any_plan", "pick_before_call", "plan_for_inputs", "plan_for_seq_len", "seq_len_of",
+           "stop_picking"]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,17 @@ def _shapeless(plan: Plan) -> Plan:
                 groups=[list(g) for g in plan.groups], distribute_saved_activations=plan.distribute_saved_activations)
 
 
-def plan_for_inputs(plan: Plan, args: tuple, kwargs: dict | None = None) -> Plan:
-    """The plan that applies to a step on these inputs: ``plan`` itself without buckets, else its bucket's
-    (without the input length); a length above every bucket raises :class:`search.SeqLenBucketError`."""
+def plan_for_seq_len(plan: Plan, seq_len: int | None) -> Plan:
+    """The plan for steps of ``seq_len`` tokens: ``plan`` itself without buckets, else its bucket's (without the
+    input length; None: the longest bucket's); a length above every bucket raises :class:`search.SeqLenBucketError`."""
     if not plan.buckets:
         return plan
-    s = seq_len_of(args, kwargs)
-    return _shapeless(plan.buckets[-1][1] if s is None else plan.for_seq_len(s))
+    return _shapeless(plan.buckets[-1][1] if seq_len is None else plan.for_seq_len(seq_len))
+
+
+def plan_for_inputs(plan: Plan, args: tuple, kwargs: dict | None = None) -> Plan:
+    """The plan that applies to a step on these inputs (:func:`plan_for_seq_len` of their length)."""
+    return plan_for_seq_len(plan, seq_len_of(args, kwargs) if plan.buckets else None)
 
 
 class BucketedHandle(OptimizeHandle):
