@@ -174,11 +174,38 @@ def test_a_longer_bucket_below_the_minimum_is_refused_naming_its_length():
             mem.track(b.model, opt)
             b.loss(_batch(b, 0, 32)).backward()
             opt.zero_grad(set_to_none=True)
-            with pytest.raises(adaptive_mem.AdaptiveBudgetError, match="at 128 tokens .the profile at 32 tokens"):
+            # Note: [one reference refusing]: the step is profiled, and its own profile refuses
+            with pytest.raises(adaptive_mem.AdaptiveBudgetError, match="at 128 tokens .profiled at 128 tokens"):
                 b.loss(_batch(b, 1, 128))
             assert all(p.grad is None for p in b.model.parameters())
             b.loss(_batch(b, 2, 32)).backward()  # the shorter steps go on under their plan
-        assert am.profiles_run == 1 and len(am.history) == 2
+        assert am.profiles_run == 2 and len(am.history) == 2
+
+
+def test_one_short_reference_refusing_a_long_bucket_profiles_the_step():
+    """Note: [one reference refusing]: scaled from 8 tokens to 256 the minimum is overstated (18.2 MB for the
+    4.3 MB of the step's own profile); a budget between the two runs, the long step profiled, exact."""
+    budget = 6_000_000
+    lengths = (8, 256, 256, 8)
+    ref = _bundle("llama-tiny")
+    ref_opt, grads = optimizer(ref.model), []
+    for step, seq in enumerate(lengths):
+        ref.loss(_batch(ref, step, seq)).backward()
+        grads.append({n: p.grad.clone() for n, p in ref.model.named_parameters()})
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+    b = _bundle("llama-tiny")
+    opt = optimizer(b.model)
+    with adaptive_optimize(b.model, budget=budget, optimizer=opt, cache=False) as am:
+        with DeviceMemory(cap=budget, track_existing=False) as mem:
+            mem.track(b.model, opt)
+            for step, seq in enumerate(lengths):
+                b.loss(_batch(b, step, seq)).backward()
+                assert_grads(b.model, grads[step], step)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        assert am.profiles_run == 2, [r.decision for r in am.history]
+        assert sorted(k.shape.bucket for k in am.buckets.buckets.values()) == [8, 256]
 
 
 def test_explicit_buckets_and_cache_keys_per_bucket(tmp_path):

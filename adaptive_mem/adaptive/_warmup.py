@@ -57,24 +57,35 @@ class BucketWarmup:
             state.pending = cached.plan
             log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
                      self.cache_entry.path(), fmt_bytes(cached.target, exact=True))
-        elif refs:  # a new bucket costs a search, not a profile
-            try:
-                self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
-            except AdaptiveBudgetError as exc:  # the steps so far fitted: name the length that does not
-                taken = ", ".join(str(r.model["seq_len"]) for r in refs)
-                raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profile at {taken} tokens scaled): "
-                                          f"expected a larger budget or shorter sequences") from None
+        elif refs and self._search_scaled(shape, refs):  # a new bucket costs a search, not a profile
             state.kind = "bucket"
-        else:  # profiled by the pre-hook, on the plain model: with a plan in force, at the next step
+        else:  # profiled by the pre-hook, on the plain model (Note: [each bucket its own plan])
             state.pending = None
             state.needs_profile = True
             state.kind = "warmup"
+
+    def _search_scaled(self, shape: Shape, refs: tuple[Any, ...]) -> bool:
+        """Start the bucket's search on ``refs`` scaled to its length; False where one reference scaled refuses
+        the budget: extrapolated from one length it may overstate the step (Note: [one reference refusing])."""
+        try:
+            self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
+        except AdaptiveBudgetError as exc:  # the steps so far fitted: name the length that does not
+            taken = ", ".join(str(r.model["seq_len"]) for r in refs)
+            if len(refs) == 1 and shape.seq_len is not None:
+                log.info("adaptive memory: at %d tokens the profile at %s tokens scaled refuses the budget (%s): "
+                         "profiling the step", shape.bucket, taken, exc)
+                return False
+            raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profiles at {taken} tokens scaled): "
+                                      f"expected a larger budget or shorter sequences") from None
+        return True
 
     def _in_force(self, shape: Shape, *, now: bool, known: bool) -> None:
         """Apply the pending plan of the bucket just made the one in force, for this step, where ``now`` allows:
         the step then judges it. Under data parallelism a new bucket's plan, decided by one rank, comes at the
         step's end; until then the plan of the longest known bucket covering the step is in force."""
         state = self.state
+        if now and state.needs_profile and self._handle is not None:
+            self._apply(None)  # the plain model, profiled by the pre-hook at this step
         if not now or state.kind not in ("bucket", "cached") or state.pending is False:
             return
         if known or not self.ranks.active:
@@ -100,8 +111,14 @@ class BucketWarmup:
         shape = self._shape
         self.buckets.measure(shape, prof)
         scaled = shape.bucket not in (None, shape.seq_len)  # the bucket's plans are for its longest length
-        needed = self._search_on(scale_to_seq_len(prof, shape.bucket) if scaled else prof,
-                                 overshoot=self.profiler.overshoot)
+        try:
+            needed = self._search_on(scale_to_seq_len(prof, shape.bucket) if scaled else prof,
+                                     overshoot=self.profiler.overshoot)
+        except AdaptiveBudgetError as exc:
+            if shape.bucket is None or len(self.buckets.buckets) == 1:
+                raise
+            raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (profiled at {shape.seq_len} tokens): "
+                                      "expected a larger budget or shorter sequences") from None
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s%s, "
                  "budget %s", time.perf_counter() - start, fmt_bytes(prof.peak_memory, exact=True),
                  fmt_bytes(needed, exact=True), f" at {shape.bucket} tokens" if scaled else "",
