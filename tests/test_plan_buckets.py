@@ -160,6 +160,30 @@ def test_cli_refusals(tmp_path, capsys, extra, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
 
 
+def test_simulate_picks_the_bucket_of_the_profiles_length(tmp_path, capsys):
+    prof = tmp_path / "p.json"
+    _fake_profile(32).save(prof)
+    plans = tmp_path / "plans.json"
+    assert _cli(capsys, "search", prof, "--budget", "5MB", "--seq-lens", "16,32,128", "-o", plans)[0] == 0
+    buckets = dict(Plan.load(plans).buckets)
+    code, text, err = _cli(capsys, "simulate", prof, plans)
+    assert code == 0, err
+    peaks = {s: simulate(_fake_profile(32), buckets[s]).peak_bytes for s in (32, 128)}
+    assert peaks[32] != peaks[128], "the test needs buckets whose plans differ at 32 tokens"
+    assert f"({peaks[32]} bytes)" in text.splitlines()[0], text
+
+
+def test_simulate_refuses_a_profile_longer_than_every_bucket(tmp_path, capsys):
+    prof, long = tmp_path / "p.json", tmp_path / "long.json"
+    _fake_profile(32).save(prof)
+    _fake_profile(64).save(long)
+    plans = tmp_path / "plans.json"
+    assert _cli(capsys, "search", prof, "--budget", "5MB", "--seq-lens", "16,32", "-o", plans)[0] == 0
+    code, _, err = _cli(capsys, "simulate", long, plans)
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "the profile's seq_len=64 is above every bucket (16,32)" in err, err
+
+
 # ---------------------------------------------------------------- the plan picked per step
 pytestmark = pytest.mark.usefixtures("deterministic")
 

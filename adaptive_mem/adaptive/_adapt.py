@@ -71,5 +71,5 @@ def describe_pending(state: SearchState) -> str:
         return ""
     what = "cached " if state.kind == "cached" else ""
     target = f" for target {fmt_bytes(state.target, exact=True)}" if state.target is not None else ""
-    lead = "longer sequences" if state.kind == "bucket" else "warm-up done"  # Note: [the plan of the longest bucket]
+    lead = "sequence-length bucket" if state.kind == "bucket" else "warm-up done"  # Note: [each bucket its own plan]
     return f"{lead}: applying the {what}{describe(state.pending)}{target}"

@@ -6,13 +6,27 @@ sequences: the total tokens). Its bucket is ``search.planning.seq_len_bucket`` o
 two, or the lengths given); with a maximum length there is one bucket, the maximum. A bucket's plans are searched
 for the bucket's length, the longest it holds. Inputs without a length are a bucket of their exact shapes.
 
-Note: [the plan of the longest bucket] plans change only between steps (the executor's hooks on the model cannot
-change inside its forward), so a plan is in force before the next step's length is known. Memory is monotone in
-sequence length: the plan of the longest bucket seen fits every shorter step, and it is the one in force. A step
-of a longer bucket runs under the shorter plan (the SwapManager rescues what does not fit) and its bucket's plan,
-scaled from a profile already taken, is applied after it: at most one rescued step per new longest bucket, and
-none with a maximum length, planned from the first step on. Buckets of other shapes (another batch size) keep
-their plans; a step of one switches to it after the step.
+Note: [each bucket its own plan] a step runs under its own bucket's plan. The loop decides the step's bucket
+before the model's call runs any hook (``AdaptiveMemory.pick``, called by the model's class ``__call__`` as
+``runtime._buckets`` does for plan files): a forward runs the pre-hooks its module had when the call began, so a plan
+switched in from a forward pre-hook would miss its own root pre-hooks (the swap engine's begin-forward) and run the
+removed plan's. A bucket's plan, once it has one, is switched in at the step where the bucket changes, and only
+then; a new bucket's plan (the cache's, or searched on a profile already taken scaled to its length) is applied for
+its first step, which then judges it: at most one rescued step per new bucket (the scaled plan's own error), none
+with a maximum length, planned from the first step on. Memory is monotone in sequence length, so a shorter bucket's
+plan keeps more and runs faster than a longer one's under the same budget. Plans are never switched while an
+earlier forward still awaits its backward (its saved tensors need the plan they were saved under): that step keeps
+the plan in force and its bucket's comes at the step's end. Under data parallelism a new bucket's plan is decided
+by one rank and shared at the step's end (Note: [one decision per DP group]); that step runs under the plan of the
+longest known bucket covering it. A new shape that no profile scales to (another batch size) is profiled on the
+plain model, the plan in force taken off before its call (where a forward awaits its backward, at its next step).
+
+Note: [one reference refusing] a profile scaled from one shorter length overstates what a much longer step holds
+at its peak (at a short length the peak is often set by the gradients, and that workspace is scaled with the
+length): llama-small batch 2, Adam, profiled at 64 tokens and scaled to 1024, a peak of 2171 MiB for the measured
+1123 MiB, so a budget of 70 % of the plain peak was refused. Where one reference scaled refuses the budget, the step
+is profiled instead (its own length, nearer); two references scaled refusing it, or the step's own profile, refuse
+it, naming the length. Guarded by tests/test_adaptive_shapes.py.
 
 Note: [longer than the maximum] a step longer than ``--max-seq-len`` (or the largest of ``--seq-len-buckets``) is an
 error before its forward, not a warning: the one plan was searched for the maximum, a longer step could run out of
@@ -97,11 +111,7 @@ class Bucket:
     plan: Any = False
     """The plan applied for it last (None: the plain model; False: none yet)."""
     longest: int = 0
-    """The longest sequence length run under its plan (Note: [longer than the maximum] a step longer than ``--max-seq-len`` (or the largest of ``--seq-len-buckets``) is an
-error before its forward, not a warning: the one plan was searched for the maximum, a longer step could run out of
-memory or be rescued every time, and a length past the declared maximum is most often a data bug (no truncation).
-
-Note: [clean steps below the longest])."""
+    """The longest sequence length run under its plan (Note: [clean steps below the longest])."""
 
 
 @dataclass
@@ -137,12 +147,13 @@ class ShapeBuckets:
         form = tuple((tuple(bucketed_shape(t.shape, seq_len, -1)), t.dtype) for t in tensors)
         return Shape(key=key, form=form, seq_len=seq_len, group_len=group_len, bucket=bucket)
 
-    def governing(self, shape: Shape, current: Bucket | None) -> Bucket | None:
-        """The bucket whose plan a step of ``shape`` runs under: ``current`` where it covers the step, else the
-        longest known one of its form that does (None: a new bucket) (Note: [the plan of the longest bucket])."""
-        if current is not None and self._covers(current, shape):
-            return current
-        return max((b for b in self.buckets.values() if self._covers(b, shape)),
+    def own(self, shape: Shape) -> Bucket | None:
+        """The bucket of a step of ``shape`` (None: a new one) (Note: [each bucket its own plan])."""
+        return self.buckets.get(shape.key)
+
+    def covering(self, shape: Shape) -> Bucket | None:
+        """The longest bucket with a plan whose plan fits a step of ``shape`` (its form, at least its length)."""
+        return max((b for b in self.buckets.values() if b.plan is not False and self._covers(b, shape)),
                    key=lambda b: b.shape.bucket or 0, default=None)
 
     @staticmethod
@@ -173,11 +184,7 @@ class ShapeBuckets:
         return tuple(taken[n] for n in sorted(taken, reverse=True)[:2])
 
     def informs(self, shape: Shape, bucket: Bucket, rescued: bool) -> bool:
-        """Whether a step of ``shape`` moves ``bucket``'s target search (Note: [longer than the maximum] a step longer than ``--max-seq-len`` (or the largest of ``--seq-len-buckets``) is an
-error before its forward, not a warning: the one plan was searched for the maximum, a longer step could run out of
-memory or be rescued every time, and a length past the declared maximum is most often a data bug (no truncation).
-
-Note: [clean steps below the longest])."""
+        """Whether a step of ``shape`` moves ``bucket``'s target search (Note: [clean steps below the longest])."""
         return rescued or shape.group_len is None or shape.group_len >= bucket.longest
 
     def converged_at(self) -> int | None:

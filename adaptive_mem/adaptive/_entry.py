@@ -6,13 +6,6 @@ state for this forward before the loop's hook ran, and the profiled step's end t
 reshards every block and ends its iteration after backward): the blocks would meet sharded parameters. Those
 hooks run again for this forward, and the loop's hook goes first for the next ones. Guarded by
 tests/test_parallel_adaptive_layouts.py (FSDP2, the loop applied before ``fully_shard``).
-
-Note: [a plan applied before the forward] a forward runs the pre-hooks its module had when it was called, and the
-forward hooks it has when it returns. A plan applied inside the loop's pre-hook (a step of a longer sequence bucket,
-with no plan in force to take off) registers pre-hooks on the model this forward would skip while its forward hooks
-would run: they run here, once, in their order; those already in the forward's list (the SwapManager's, registered
-again) are left to it. A plan in force is never taken off there: the forward would still run its pre-hooks.
-Guarded by tests/test_adaptive_shapes.py (gradients equal at every step).
 """
 
 from __future__ import annotations
@@ -22,7 +15,7 @@ from typing import Any, Callable
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-__all__ = ["hooks_before", "run_again_then_first", "run_added"]
+__all__ = ["hooks_before", "run_again_then_first"]
 
 
 def hooks_before(module: nn.Module, handle: RemovableHandle) -> list[tuple[int, Callable[..., Any]]]:
@@ -40,12 +33,3 @@ def run_again_then_first(module: nn.Module, earlier: list[tuple[int, Callable[..
         earlier_hook(module, args, kwargs) if key in with_kwargs else earlier_hook(module, args)
     handle.remove()
     return module.register_forward_pre_hook(hook, prepend=True, with_kwargs=True)
-
-
-def run_added(module: nn.Module, before: list[Callable[..., Any]], args: tuple, kwargs: dict) -> None:
-    """Run the forward pre-hooks of ``module`` that are not among ``before`` (those this forward runs) (Note: [a
-    plan applied before the forward])."""
-    with_kwargs = module._forward_pre_hooks_with_kwargs
-    for key, hook in list(module._forward_pre_hooks.items()):
-        if not any(hook == old for old in before):
-            hook(module, args, kwargs) if key in with_kwargs else hook(module, args)

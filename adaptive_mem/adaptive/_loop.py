@@ -6,7 +6,7 @@ loop stays as it is. Each step (one forward + its backward):
 1. Warm-up: the first step of an input shape runs the plain model under the
    SwapManager's protection (out-of-memory becomes a swap-out, not a crash)
    and profiles the real model on the step's inputs (or finds the plan cache).
-   Sequence lengths fall in buckets (``_buckets``): a longer bucket's plan is
+   Sequence lengths fall in buckets (``_buckets``): another bucket's plan is
    searched on the profile scaled to its length, not profiled again (``_warmup``).
 2. The search (``milp``) picks the fastest plan whose simulated peak fits the
    memory *target*; it is applied between steps (at the end of backward).
@@ -16,8 +16,8 @@ loop stays as it is. Each step (one forward + its backward):
    memory target). When the interval is closed the plan is cached and the loop
    stops solving; a rescue after that reopens the search.
 
-Plans change only between steps: hooks are never added while a forward runs, except for a
-longer bucket's plan with none in force (Note: [a plan applied before the forward]).
+Plans change only between steps, before the model's call or at the end of backward: hooks are never
+added while a forward runs. Each sequence-length bucket runs its own plan (Note: [each bucket its own plan]).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from search import Plan, fmt_bytes
 from adaptive_mem.memory._oom import OomHook, make_hook
 from adaptive_mem.memory._swap_manager import SwapManager
 from adaptive_mem.runtime._apply import apply_plan
+from adaptive_mem.runtime._buckets import pick_before_call, stop_picking
 from ._adapt import decide, describe_pending
 from ._arguments import check_arguments, mark, unmark
 from ._batch import AdaptiveBatch
@@ -104,10 +105,12 @@ class AdaptiveMemory(BucketWarmup):
         self._structure = self.structure.fingerprint
         self._handle: Any = None
         self._in_step = False
+        self._started = False
+        """Whether :meth:`pick` started the step of the call under way."""
         self._depth = 0
         self._shape: Shape | None = None
         self._bucket: Bucket | None = None
-        """The bucket whose plan is in force (Note: [the plan of the longest bucket])."""
+        """The bucket of the step under way, whose plan is in force (Note: [each bucket its own plan])."""
         self._connect()
 
     def _connect(self) -> None:
@@ -118,6 +121,7 @@ class AdaptiveMemory(BucketWarmup):
                          self.model.register_forward_hook(self._post, always_call=True)]
         self.manager.attach()
         mark(self.model, self)
+        pick_before_call(self.model, self)
 
     # ------------------------------------------------------------------ public
     @property
@@ -181,6 +185,7 @@ class AdaptiveMemory(BucketWarmup):
 
     def remove(self) -> None:
         """Take the plan, the SwapManager and every hook off the model; safe to call twice."""
+        stop_picking(self.model, self)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -198,10 +203,23 @@ class AdaptiveMemory(BucketWarmup):
         self.remove()
 
     # ------------------------------------------------------------------ step boundaries
+    @torch.compiler.disable
+    def pick(self, args: tuple, kwargs: dict) -> None:
+        """The step's start, before the model's call runs its hooks: its bucket, and that bucket's plan put in
+        force (Note: [each bucket its own plan]); the warm-up's profile is left to the forward pre-hook."""
+        self._started = False
+        if self.profiler.busy or self._depth > 0 or not torch.is_grad_enabled():
+            return
+        self._begin(args, kwargs, before_call=True)
+        self._started = True
+
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._depth += 1
         if self.profiler.busy or self._depth > 1 or not torch.is_grad_enabled():
             return
+        started, self._started = self._started, False
+        if not started:  # called without the model's own call (a copy of its hooks): plans change at the end
+            self._begin(args, kwargs, before_call=False)
         if self._in_step:  # the previous forward never got its backward (or failed): not a step
             self._abandon()
         self._in_step = True
@@ -210,13 +228,14 @@ class AdaptiveMemory(BucketWarmup):
         earlier = hooks_before(module, self._handles[0])
         profiles = self.profiles_run
         try:
-            self._begin(args, kwargs)
+            if self.state.needs_profile and self._handle is None:
+                self._plan_from_profile(args, kwargs)
+            self._bucket.longest = max(self._bucket.longest, self._shape.group_len or 0)
         except BaseException:
-            if self._bucket is not None:  # plan again next time
-                self.buckets.drop(self._bucket)
-                self._bucket = None
+            self._forget_bucket()
             self._abandon()
             raise  # the always-called forward hook still runs: it balances the depth
+        self.meter.start()
         if earlier and self.profiles_run > profiles:  # Note: [hooks before the loop's]
             self._handles[0] = run_again_then_first(module, earlier, self._handles[0], self._pre, args, kwargs)
 
@@ -224,21 +243,29 @@ class AdaptiveMemory(BucketWarmup):
         self._in_step = False
         self.hook.exit()
 
-    def _begin(self, args: tuple, kwargs: dict) -> None:
+    def _forget_bucket(self) -> None:
+        if self._bucket is not None:  # plan again next time
+            self.buckets.drop(self._bucket)
+            self._bucket = None
+
+    def _begin(self, args: tuple, kwargs: dict, *, before_call: bool) -> None:
+        """Decide the step's bucket and put its plan in force: now where ``before_call`` allows it and no earlier
+        forward still awaits its backward (its saved tensors need the plan they were saved under), else at the
+        step's end (Note: [each bucket its own plan])."""
         if self.budget is None:
             self.budget = default_budget(self.hook, self.device)
         self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
         tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-        shape = self._shape = self.buckets.shape(tensors, self.ranks)
-        self.state.kind = "steady" if self.converged else "adapt"
-        governing = self.buckets.governing(shape, self._bucket)  # Note: [the plan of the longest bucket]
-        if governing is None or governing is not self._bucket:
-            self._start_shape(tensors, args, kwargs, shape, governing)
-            self._apply_before_forward(args, kwargs)
-        elif self.state.needs_profile:
-            self._plan_from_profile(args, kwargs)
-        self._bucket.longest = max(self._bucket.longest, shape.group_len or 0)
-        self.meter.start()
+        try:
+            shape = self._shape = self.buckets.shape(tensors, self.ranks)
+            self.state.kind = "steady" if self.converged else "adapt"
+            own = self.buckets.own(shape)
+            if own is None or own is not self._bucket:
+                self._start_shape(tensors, shape, own)
+                self._in_force(shape, now=before_call and not self._in_step, known=own is not None)
+        except BaseException:
+            self._forget_bucket()
+            raise
 
     def _post(self, module: nn.Module, args: Any, output: Any) -> None:
         self._depth -= 1
@@ -287,17 +314,19 @@ class AdaptiveMemory(BucketWarmup):
             log.info("adaptive memory: plan cached at %s", path)
 
     # ------------------------------------------------------------------ applying plans
-    def _apply(self, plan: Plan | None) -> None:
+    def _apply(self, plan: Plan | None, of: Bucket | None = None) -> None:
+        """Put ``plan`` in force as the plan of ``of`` (default the step's bucket; another one lends its plan)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
-        self.plan = self._bucket.plan = plan
+        bucket = of or self._bucket
+        self.plan = bucket.plan = plan
         if plan is not None and plan.decisions:
             # The loop itself ties plans to input shapes (a new shape replans), so the executor's one-shot
             # first-forward shape check is left out: a plan still runs correctly on the step that changed shape.
             unchecked = Plan(decisions=dict(plan.decisions), groups=[list(g) for g in plan.groups],
                              meta=dict(plan.meta), distribute_saved_activations=plan.distribute_saved_activations)
-            self._handle = apply_plan(self.model, plan=unchecked, profile=self._bucket.profile,
+            self._handle = apply_plan(self.model, plan=unchecked, profile=bucket.profile,
                                       host_memory_budget=self.host_budget, structure=self.structure)
             for engine in self._plan_engines():  # Note: [budget-aware prefetch]
                 engine.headroom = self._headroom
@@ -344,7 +373,7 @@ def adaptive_optimize(model: nn.Module, *, budget: int | str | None = None, opti
     maxima and broadcasts, and a rescue on any rank re-plans all of them at the same step.
     ``seq_len_buckets``: the sequence lengths plans are kept for (``"128,256,512"`` or ints; default powers of two);
     ``max_seq_len``: the longest length the data has: one plan for it from the first step on (a longer step is an
-    error). See ``_buckets`` (Note: [the plan of the longest bucket]).
+    error). See ``_buckets`` (Note: [each bucket its own plan]).
     """
     budget = check_arguments(model, budget=budget, solver=solver, tolerance=tolerance)
     lengths, max_seq_len = check_seq_lens(seq_len_buckets, max_seq_len)

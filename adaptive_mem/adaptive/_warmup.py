@@ -20,7 +20,6 @@ from adaptive_mem.runtime._spill import HostBudget
 from ._adapt import describe_pending
 from ._buckets import Bucket, Shape
 from ._measure import AdaptiveBudgetError
-from ._entry import run_added
 from ._plan_cache import CacheEntry, layout_sizes
 from ._planner import Planner
 from ._target_search import TargetSearch
@@ -31,21 +30,20 @@ log = logging.getLogger("adaptive_mem.adaptive._loop")  # Note: [the loop's logg
 
 
 class BucketWarmup:
-    """The warm-up half of the adaptive loop (Note: [the plan of the longest bucket])."""
+    """The warm-up half of the adaptive loop (Note: [each bucket its own plan])."""
 
-    def _start_shape(self, tensors: list[torch.Tensor], args: tuple, kwargs: dict, shape: Shape,
-                     known: Bucket | None) -> None:
-        """Put in force, after this step, the plan of ``known`` (the bucket covering it) or of a new bucket: the
-        cache's, one searched on a profile scaled to its length, or one searched on a profile of this step."""
-        first = self._bucket is None
-        if not first:
+    def _start_shape(self, tensors: list[torch.Tensor], shape: Shape, own: Bucket | None) -> None:
+        """Make ``own`` (the step's bucket) or a new bucket the one in force, its plan pending: its own, the cache's,
+        one searched on a profile scaled to its length, or (``state.needs_profile``) one searched on a profile of
+        a step, taken by the forward pre-hook (Note: [each bucket its own plan])."""
+        if self._bucket is not None:
             log.info("adaptive memory: input shapes changed to %s%s: %s", [list(t.shape) for t in tensors],
-                     f" ({shape.bucket} tokens planned)" if shape.bucket else "", "its plan" if known else "planning")
-        self._bucket = known or self.buckets.add(shape, Planner(self.solver), CacheEntry(self.cache, self.ranks))
+                     f" ({shape.bucket} tokens planned)" if shape.bucket else "", "its plan" if own else "planning")
+        self._bucket = own or self.buckets.add(shape, Planner(self.solver), CacheEntry(self.cache, self.ranks))
         state = self.state = self._bucket.state
         self.planner, self.cache_entry = self._bucket.planner, self._bucket.cache_entry
-        if known is not None:
-            state.pending, state.kind = known.plan if known.plan is not self.plan else False, "bucket"
+        if own is not None:
+            state.pending, state.kind = own.plan if own.plan is not self.plan else False, "bucket"
             return
         self.cache_entry.select(self.model, inputs=tensors, budget=self.budget, structure=self._structure,
                                 parallel=layout_sizes(self.parallel, self.ranks, self.model), bucket=shape.bucket)
@@ -59,34 +57,46 @@ class BucketWarmup:
             state.pending = cached.plan
             log.info("adaptive memory: reusing the cached plan %s (target %s): no profiling",
                      self.cache_entry.path(), fmt_bytes(cached.target, exact=True))
-        elif refs:  # a new bucket costs a search, not a profile
-            try:
-                self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
-            except AdaptiveBudgetError as exc:  # the steps so far fitted: name the length that does not
-                taken = ", ".join(str(r.model["seq_len"]) for r in refs)
-                raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profile at {taken} tokens scaled): "
-                                          f"expected a larger budget or shorter sequences") from None
+        elif refs and self._search_scaled(shape, refs):  # a new bucket costs a search, not a profile
             state.kind = "bucket"
-        elif self._handle is not None:
-            state.pending = None  # profile the plain model at the next step
+        else:  # profiled by the pre-hook, on the plain model (Note: [each bucket its own plan])
+            state.pending = None
             state.needs_profile = True
             state.kind = "warmup"
-        else:
-            self._plan_from_profile(args, kwargs)
 
-    def _apply_before_forward(self, args: tuple, kwargs: dict) -> None:
-        """A longer bucket's plan, with none in force, applied for this step (Note: [a plan applied before the
-        forward]); the step then judges it. Under data parallelism the group applies it at the step's end."""
+    def _search_scaled(self, shape: Shape, refs: tuple[Any, ...]) -> bool:
+        """Start the bucket's search on ``refs`` scaled to its length; False where one reference scaled refuses
+        the budget: extrapolated from one length it may overstate the step (Note: [one reference refusing])."""
+        try:
+            self._search_on(scale_to_seq_len(refs, shape.bucket), overshoot=None)
+        except AdaptiveBudgetError as exc:  # the steps so far fitted: name the length that does not
+            taken = ", ".join(str(r.model["seq_len"]) for r in refs)
+            if len(refs) == 1 and shape.seq_len is not None:
+                log.info("adaptive memory: at %d tokens the profile at %s tokens scaled refuses the budget (%s): "
+                         "profiling the step", shape.bucket, taken, exc)
+                return False
+            raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (the profiles at {taken} tokens scaled): "
+                                      f"expected a larger budget or shorter sequences") from None
+        return True
+
+    def _in_force(self, shape: Shape, *, now: bool, known: bool) -> None:
+        """Apply the pending plan of the bucket just made the one in force, for this step, where ``now`` allows:
+        the step then judges it. Under data parallelism a new bucket's plan, decided by one rank, comes at the
+        step's end; until then the plan of the longest known bucket covering the step is in force."""
         state = self.state
-        if state.kind != "bucket" or state.pending is None or state.pending is False or self._handle is not None \
-                or self.ranks.active:
+        if now and state.needs_profile and self._handle is not None:
+            self._apply(None)  # the plain model, profiled by the pre-hook at this step
+        if not now or state.kind not in ("bucket", "cached") or state.pending is False:
             return
-        log.info("adaptive memory: %s", describe_pending(state))
-        before = list(self.model._forward_pre_hooks.values())
-        self._apply(state.pending)
-        state.pending = False
-        run_added(self.model, before, args, kwargs)
-        state.kind = "steady" if state.converged else "adapt"
+        if known or not self.ranks.active:
+            log.info("adaptive memory: %s", describe_pending(state))
+            self._apply(state.pending)
+            state.pending = False
+            state.kind = "steady" if state.converged else "adapt"
+            return
+        cover = self.buckets.covering(shape)
+        if cover is not None and cover.plan is not self.plan:
+            self._apply(cover.plan, of=cover)
 
     def _plan_from_profile(self, args: tuple, kwargs: dict) -> None:
         state = self.state
@@ -101,8 +111,14 @@ class BucketWarmup:
         shape = self._shape
         self.buckets.measure(shape, prof)
         scaled = shape.bucket not in (None, shape.seq_len)  # the bucket's plans are for its longest length
-        needed = self._search_on(scale_to_seq_len(prof, shape.bucket) if scaled else prof,
-                                 overshoot=self.profiler.overshoot)
+        try:
+            needed = self._search_on(scale_to_seq_len(prof, shape.bucket) if scaled else prof,
+                                     overshoot=self.profiler.overshoot)
+        except AdaptiveBudgetError as exc:
+            if shape.bucket is None or len(self.buckets.buckets) == 1:
+                raise
+            raise AdaptiveBudgetError(f"{exc}; at {shape.bucket} tokens (profiled at {shape.seq_len} tokens): "
+                                      "expected a larger budget or shorter sequences") from None
         log.info("adaptive memory: profiled the model in %.1f s: unoptimized peak %s, minimum feasible %s%s, "
                  "budget %s", time.perf_counter() - start, fmt_bytes(prof.peak_memory, exact=True),
                  fmt_bytes(needed, exact=True), f" at {shape.bucket} tokens" if scaled else "",

@@ -1,4 +1,8 @@
-"""``adaptive-mem simulate``: predicted peak memory, step time and stalls of a plan on a profile."""
+"""``adaptive-mem simulate``: predicted peak memory, step time and stalls of a plan on a profile.
+
+A plan file with a plan per sequence-length bucket (Note: [plan buckets]) is simulated with the plan of the bucket the
+profile's sequence length falls in, as ``run --plan`` picks it per step; a length no bucket covers is refused.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,11 @@ import argparse
 import logging
 
 from profiler import Layout, is_cuda_hardware
-from search import Plan, StepModel, fmt_bytes, simulate
+from search import Plan, SeqLenBucketError, StepModel, fmt_bytes, seq_len_bucket, simulate
 from search.planning import busiest_stage, device_shortfall
 from search.planning import check_plan_matches
+
+from adaptive_mem.runtime._buckets import plan_for_seq_len
 
 from ._common import add_profile_arguments, check_output_path, load
 
@@ -24,9 +30,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeline", default=None, metavar="PNG", help="also draw the step's timeline here")
 
 
+def _bucket_of(plan: Plan, seq_len: int | None, path: str) -> Plan:
+    """The plan of the bucket ``seq_len`` (the profile's) falls in; ``plan`` without buckets or without a length."""
+    if not plan.buckets or seq_len is None:
+        return plan
+    lengths = tuple(s for s, _ in plan.buckets)
+    try:
+        bucket = seq_len_bucket(int(seq_len), lengths)
+    except SeqLenBucketError:
+        raise SeqLenBucketError(f"plan file {path!r}: the profile's seq_len={seq_len} is above every bucket "
+                                f"({','.join(map(str, lengths))}); expected a profile of at most {max(lengths)} "
+                                "tokens or a plan with a longer bucket") from None
+    log.info("plan file %s: the plan of bucket %d for the profile's %s tokens", path, bucket, seq_len)
+    return plan_for_seq_len(plan, bucket)
+
+
 def run(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     profile, hardware = load(args)
+    plan = _bucket_of(plan, profile.model.get("seq_len"), args.plan)
     check_plan_matches(plan, profile, source=f"plan file {args.plan!r}")
     if args.timeline:
         check_output_path(args.timeline, flag="--timeline")

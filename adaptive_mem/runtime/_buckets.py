@@ -30,7 +30,8 @@ from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan, trace_units
 from adaptive_mem.runtime._resolve import resolve_plan
 from adaptive_mem.runtime._summary import PlanSummary
 
-__all__ = ["BucketedHandle", "apply_any_plan", "plan_for_inputs", "seq_len_of"]
+__all__ = ["BucketedHandle", "apply_any_plan", "pick_before_call", "plan_for_inputs", "plan_for_seq_len", "seq_len_of",
+           "stop_picking"]
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +54,17 @@ def _shapeless(plan: Plan) -> Plan:
                 groups=[list(g) for g in plan.groups], distribute_saved_activations=plan.distribute_saved_activations)
 
 
-def plan_for_inputs(plan: Plan, args: tuple, kwargs: dict | None = None) -> Plan:
-    """The plan that applies to a step on these inputs: ``plan`` itself without buckets, else its bucket's
-    (without the input length); a length above every bucket raises :class:`search.SeqLenBucketError`."""
+def plan_for_seq_len(plan: Plan, seq_len: int | None) -> Plan:
+    """The plan for steps of ``seq_len`` tokens: ``plan`` itself without buckets, else its bucket's (without the
+    input length; None: the longest bucket's); a length above every bucket raises :class:`search.SeqLenBucketError`."""
     if not plan.buckets:
         return plan
-    s = seq_len_of(args, kwargs)
-    return _shapeless(plan.buckets[-1][1] if s is None else plan.for_seq_len(s))
+    return _shapeless(plan.buckets[-1][1] if seq_len is None else plan.for_seq_len(seq_len))
+
+
+def plan_for_inputs(plan: Plan, args: tuple, kwargs: dict | None = None) -> Plan:
+    """The plan that applies to a step on these inputs (:func:`plan_for_seq_len` of their length)."""
+    return plan_for_seq_len(plan, seq_len_of(args, kwargs) if plan.buckets else None)
 
 
 class BucketedHandle(OptimizeHandle):
@@ -79,9 +84,7 @@ class BucketedHandle(OptimizeHandle):
         self.switches = 0
         """Plan switches made at a forward (the first plan, applied by ``optimize``, not counted)."""
         self._inner: OptimizeHandle | None = apply(self._plans[self.bucket])
-        self._class = type(model)
-        _PICKERS[model] = self
-        model.__class__ = _picking_class(self._class)
+        pick_before_call(model, self)
 
     @torch.compiler.disable
     def pick(self, args: tuple, kwargs: dict) -> None:
@@ -129,26 +132,46 @@ class BucketedHandle(OptimizeHandle):
         return self._inner.summary() if self._inner is not None else None
 
     def remove(self) -> None:
-        if _PICKERS.get(self.model) is self:
-            del _PICKERS[self.model]
-            self.model.__class__ = self._class
+        stop_picking(self.model, self)
         if self._inner is not None:
             self._inner.remove()
             self._inner = None
 
 
-_PICKERS: "weakref.WeakKeyDictionary[nn.Module, BucketedHandle]" = weakref.WeakKeyDictionary()
+_PICKERS: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()
 _CLASSES: dict[type, type] = {}
+
+
+def pick_before_call(model: nn.Module, picker: Any) -> None:
+    """Call ``picker.pick(args, kwargs)`` at each call of ``model``, before ``Module.__call__`` runs its hooks
+    (Note: [plan per step]), until :func:`stop_picking`; one picker per model (ValueError for a second)."""
+    if _PICKERS.get(model) is not None:
+        raise ValueError(f"model={type(model).__name__}: already picks a plan per call (a bucketed plan or the "
+                         "adaptive loop); expected one of them, remove() the other first")
+    _PICKERS[model] = picker
+    if type(model) not in _CLASSES.values():
+        model.__class__ = _picking_class(type(model))
+
+
+def stop_picking(model: nn.Module, picker: Any) -> None:
+    """Undo :func:`pick_before_call` of ``picker``; the model's class is restored unless a wrapper applied since
+    (FSDP2's ``fully_shard``) made a class of its own on top, which then calls the model plain."""
+    if _PICKERS.get(model) is not picker:
+        return
+    del _PICKERS[model]
+    cls = type(model)
+    if cls in _CLASSES.values():
+        model.__class__ = cls.__bases__[0]
 
 
 def _picking_class(cls: type) -> type:
     """``cls`` with a ``__call__`` that picks the step's plan first (Note: [plan per step]); a copy of the model
-    keeps the class but has no handle, and runs plain."""
+    keeps the class but has no picker, and runs plain."""
     if cls not in _CLASSES:
         def __call__(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            handle = _PICKERS.get(self)
-            if handle is not None:
-                handle.pick(args, kwargs)
+            picker = _PICKERS.get(self)
+            if picker is not None:
+                picker.pick(args, kwargs)
             return super(sub, self).__call__(*args, **kwargs)
         sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__,
                                           "__qualname__": cls.__qualname__})
