@@ -20,6 +20,7 @@ from profiler.naming import is_compile_wrapper
 from profiler.tracing import with_code
 from search import Action
 
+from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
@@ -36,6 +37,7 @@ class _Tracker(TorchDispatchMode):
         self.swaps = swaps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
         out = func(*args, **(kwargs or {}))
         swaps = self.swaps
         if swaps.ctx.opaque or swaps.quiet_layer:
@@ -146,6 +148,7 @@ class OpSwaps:
         return outside, info[1]
 
     def pack(self, t: torch.Tensor) -> Any:
+        FOOTPRINT.pack += 1
         ctx = self.ctx
         t = no_cycle(t)
         if not self.producer or isinstance(t, nn.Parameter):
@@ -161,6 +164,7 @@ class OpSwaps:
 
     @staticmethod
     def unpack(x: Any) -> Any:
+        FOOTPRINT.unpack += 1
         return x.unpack() if isinstance(x, Packed) else x
 
     def push(self) -> None:
