@@ -35,7 +35,7 @@ import torch
 
 from adaptive_mem import build_model, calibrate, optimize, profile_step
 from adaptive_mem.runtime._footprint import FOOTPRINT
-from search import Action, Decision, Plan, simulate
+from search import Action, Decision, Plan, machinery_calls, simulate
 
 BATCH, SEQ = 8, 128
 
@@ -178,8 +178,9 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
     plain = statistics.median(rows[0].times)
     out = []
     print(f"\n{spec} b{BATCH} s{SEQ} on {device.type} ({torch.get_num_threads()} thread(s)), "
-          f"medians of {len(rows[0].times)} interleaved rounds")
-    print(f"| plan | step ms | vs plain | target | met | predicted ms | error | dispatch | pack |")
+          f"medians of {len(rows[0].times)} interleaved rounds; per call: dispatch "
+          f"{profile.hardware.dispatch_call_time * 1e6:.2f} us, hook {profile.hardware.hook_call_time * 1e6:.2f} us")
+    print("| plan | step ms | vs plain | target | met | predicted ms | error | dispatch (model) | pack (model) |")
     print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         step = statistics.median(row.times)
@@ -188,10 +189,13 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
         met = "-" if limit is None else ("yes" if step <= limit else "no")
         error = predicted / step - 1
         over = step / plain - 1
+        model = machinery_calls(profile, row.plan)
         print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {predicted * 1e3:.2f} | "
-              f"{error * 100:+.1f} % | {row.calls.get('dispatch', 0)} | {row.calls.get('pack', 0)} |")
+              f"{error * 100:+.1f} % | {row.calls.get('dispatch', 0)} ({model.dispatch}) | "
+              f"{row.calls.get('pack', 0)} ({model.pack}) |")
         out.append({"model": spec, "plan": row.name, "step_ms": step * 1e3, "vs_plain": over, "target": reads,
                     "met": met, "predicted_ms": predicted * 1e3, "error": error, "calls": row.calls,
+                    "calls_model": {"dispatch": model.dispatch, "pack": model.pack, "unpack": model.unpack},
                     "swapped_bytes": row.swapped, "times_ms": [t * 1e3 for t in row.times],
                     "decisions": sorted(row.plan.decisions)})
     return out
