@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import logging
 import statistics
@@ -35,7 +36,7 @@ import torch
 
 from adaptive_mem import build_model, calibrate, optimize, profile_step
 from adaptive_mem.runtime._footprint import FOOTPRINT
-from search import Action, Decision, Plan, machinery_calls, simulate
+from search import Action, Decision, Plan, machinery_calls, maximize_throughput, simulate
 
 BATCH, SEQ = 8, 128
 
@@ -117,30 +118,67 @@ def _timed(step: Callable[[Any], None], batch: Any, device: torch.device) -> flo
 
 
 def run_rows(bundle: Any, rows: list[Row], rounds: int, device: torch.device) -> None:
-    """Every row's plan applied to its own copy of the model; ``rounds`` interleaved rounds of one step each, after
-    two warm-up steps; each row's calls per step and swapped bytes per step from its last step."""
-    variants = []
-    for row in rows:
+    """Every row's plan applied to its own copy of ``bundle``'s model: :func:`run_variants`."""
+    run_variants([(row, bundle) for row in rows], rounds, device)
+
+
+def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.device) -> None:
+    """Each row's plan applied to its own copy of its bundle's model; ``rounds`` interleaved rounds of one step each,
+    after two warm-up steps; each row's calls per step and swapped bytes per step from its last step."""
+    runs = []
+    for row, bundle in variants:
         copy_ = copy.copy(bundle)
         copy_.model = copy.deepcopy(bundle.model)
         handle = optimize(copy_.model, plan=row.plan) if row.plan.decisions else None
-        variants.append((row, _stepper(copy_), handle))
-    batches = [bundle.batch(seed=k) for k in range(rounds + 2)]
+        runs.append((row, _stepper(copy_), handle, [bundle.batch(seed=k) for k in range(rounds + 2)]))
     try:
-        for k, batch in enumerate(batches):
-            for row, step, handle in variants:
+        for k in range(rounds + 2):
+            for row, step, handle, batches in runs:
                 stats = handle.swap_stats if handle is not None else None
                 before = stats.offloaded_bytes if stats is not None else 0
                 FOOTPRINT.reset()
-                seconds = _timed(step, batch, device)
+                seconds = _timed(step, batches[k], device)
                 row.calls = FOOTPRINT.snapshot()
                 row.swapped = (stats.offloaded_bytes - before) if stats is not None else 0
                 if k >= 2:
                     row.times.append(seconds)
     finally:
-        for _, _, handle in variants:
+        for _, _, handle, _ in runs:
             if handle is not None:
                 handle.remove()
+
+
+def throughput_check(rounds: int, device: torch.device, calibrated: bool, budget: str = "20MiB",
+                     batches: range = range(1, 17)) -> list[dict[str, Any]]:
+    """``search --maximize throughput`` on llama-tiny seq 128 under ``budget`` (every batch size profiled; with
+    ``calibrated`` the hardware calibrated at batch 8 in every profile), then each fitting batch size measured with
+    its plan (interleaved): is the picked batch's measured tokens/s within 5 % of the best measured?"""
+    bundles = {b: build_model("llama-tiny", batch_size=b, seq_len=SEQ, seed=0, device=str(device)) for b in batches}
+    profiles = {b: profile_step(bb, optimizer=torch.optim.SGD(bb.model.parameters(), lr=1e-3), warmup=1, repeat=3)
+                for b, bb in bundles.items()}
+    if calibrated:
+        hardware = calibrate(bundles[8], profiles[8]).hardware
+        profiles = {b: dataclasses.replace(p, hardware=hardware) for b, p in profiles.items()}
+    result = maximize_throughput(profiles=profiles, batch_sizes=list(batches), budget=budget)
+    fitting = [r for r in result.rows if r.fits]
+    rows = {r.batch_size: Row(f"batch {r.batch_size}", r.result.plan, "-") for r in fitting}
+    run_variants([(rows[b], bundles[b]) for b in rows], rounds, device)
+    measured = {b: b * SEQ / statistics.median(row.times) for b, row in rows.items()}
+    picked, best = result.best_row.batch_size, max(measured, key=measured.get)
+    print(f"\nmaximize throughput: llama-tiny seq {SEQ} under {budget} on {device.type}, "
+          f"{'calibrated' if calibrated else 'uncalibrated'} profiles")
+    print("| batch | decisions | predicted tokens/s | measured tokens/s | |")
+    print("|---|---|---|---|---|")
+    for r in fitting:
+        mark = " ".join(m for m, b in (("picked", picked), ("best measured", best)) if b == r.batch_size)
+        print(f"| {r.batch_size} | {len(r.result.plan.decisions)} | {r.tokens_per_second:,.0f} | "
+              f"{measured[r.batch_size]:,.0f} | {mark} |")
+    ratio = measured[picked] / measured[best]
+    print(f"picked batch {picked}: {ratio * 100:.1f} % of the best measured (batch {best}); target >= 95 %: "
+          f"{'met' if ratio >= 0.95 else 'not met'}")
+    return [{"batch": b, "decisions": sorted(rows[b].plan.decisions), "measured_tokens_per_s": measured[b],
+             "predicted_tokens_per_s": next(r.tokens_per_second for r in fitting if r.batch_size == b),
+             "picked": b == picked} for b in rows]
 
 
 def copy_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
@@ -202,7 +240,7 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
 
 
 def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool) -> list[dict[str, Any]]:
-    bundle = build_model(spec, batch_size=BATCH, seq_len=SEQ, seed=0, device=device.type)
+    bundle = build_model(spec, batch_size=BATCH, seq_len=SEQ, seed=0, device=str(device))
     opt = torch.optim.SGD(bundle.model.parameters(), lr=1e-3)
     profile = profile_step(bundle, optimizer=opt, warmup=1, repeat=max(3, rounds // 2))
     if calibrated:
@@ -220,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default="llama-tiny,hf:llama")
     parser.add_argument("--calibrate", action="store_true", help="predict on the calibrated profile")
+    parser.add_argument("--throughput", action="store_true",
+                        help="also search --maximize throughput on llama-tiny seq 128 under 20 MiB and measure")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     logging.getLogger("adaptive_mem").setLevel(logging.WARNING)
@@ -229,10 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for spec in models:
         results += run_model(spec, rounds, device, args.calibrate)
+    throughput = throughput_check(rounds, device, args.calibrate) if args.throughput else []
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": _device_name(device), "threads": args.threads, "rounds": rounds,
-                       "rows": results}, f, indent=1)
+                       "rows": results, "throughput": throughput}, f, indent=1)
     return 0
 
 
