@@ -14,19 +14,22 @@ hooks see and an unpack call for each of those in backward (the runtime counts t
 
 Each dispatch call costs ``hardware.dispatch_call_time`` seconds and each pack or unpack call
 ``hardware.hook_call_time``, both measured by ``adaptive_mem.calibrate`` (0 in profiles without them: the term
-vanishes). A profile recorded without per-op saved-tensor counts (``OpRecord.saved_tensors`` = 0) prices no hook
+vanishes). A position's calls are charged with its replay, before its backward (``position_segment``, as Note:
+[swap compute] charges the other mechanism costs), so the simulator and the solvers' menus see them. A whole-layer
+recompute with its input swapped (Note: [swapped checkpoint input]) is counted as a whole-layer recompute. A profile recorded without per-op saved-tensor counts (``OpRecord.saved_tensors`` = 0) prices no hook
 call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from ._assignment import Assignment
 from ._model import StepModel
 from ._plan import Action
 
-__all__ = ["MachineryCalls", "count_calls", "machinery_time"]
+__all__ = ["MachineryCalls", "count_calls", "machinery_time", "position_calls"]
 
 
 @dataclass(frozen=True)
@@ -43,33 +46,37 @@ def _saved_tensors(model: StepModel, unit: int) -> int:
     return sum(ops[oi].saved_tensors for oi in model.profile.units[model.units[unit].index].ops)
 
 
-def count_calls(model: StepModel, asg: Assignment) -> MachineryCalls:
-    """The dispatch, pack and unpack calls per step of ``asg`` on ``model`` (Note: [machinery calls])."""
+def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> MachineryCalls:
+    """The dispatch, pack and unpack calls per step of position ``p`` with its units' actions ``acts``, outside a
+    checkpoint group (Note: [machinery calls])."""
+    members = model.positions[p]
+    in_layer = model.layer_of(p) is not None
+    if not members or (in_layer and all(a is Action.RECOMPUTE for a in acts)):
+        return MachineryCalls()
+    if in_layer and all(a is Action.SWAP for a in acts):
+        pack = sum(_saved_tensors(model, i) for i in members)
+        return MachineryCalls(pack=pack, unpack=pack)
     dispatch = pack = 0
-    layers = set(model.layer_positions)
-    for p, members in enumerate(model.positions):
-        acts = [asg.actions[i] for i in members]
-        if p in asg.grouped or not members:
-            continue
-        if p in layers and all(a is Action.RECOMPUTE for a in acts):
-            continue
-        if p in layers and all(a is Action.SWAP for a in acts):
-            pack += sum(_saved_tensors(model, i) for i in members)
-            continue
-        for i, a in zip(members, acts):
-            if a is Action.SWAP:
-                dispatch += model.units[i].ops
-                pack += _saved_tensors(model, i)
-            elif a is Action.RECOMPUTE:
-                dispatch += 2 * model.units[i].ops
+    for i, a in zip(members, acts):
+        if a is Action.SWAP:
+            dispatch += model.units[i].ops
+            pack += _saved_tensors(model, i)
+        elif a is Action.RECOMPUTE:
+            dispatch += 2 * model.units[i].ops
     return MachineryCalls(dispatch=dispatch, pack=pack, unpack=pack)
 
 
-def machinery_time(model: StepModel, asg: Assignment) -> float:
-    """Seconds the machinery's Python calls add to a step of ``asg`` (Note: [machinery calls])."""
+def count_calls(model: StepModel, asg: Assignment) -> MachineryCalls:
+    """The calls per step of ``asg`` on ``model``: the sum of :func:`position_calls` (Note: [machinery calls])."""
+    dispatch = pack = unpack = 0
+    for p, members in enumerate(model.positions):
+        if p not in asg.grouped:
+            calls = position_calls(model, p, [asg.actions[i] for i in members])
+            dispatch, pack, unpack = dispatch + calls.dispatch, pack + calls.pack, unpack + calls.unpack
+    return MachineryCalls(dispatch=dispatch, pack=pack, unpack=unpack)
+
+
+def machinery_time(model: StepModel, calls: MachineryCalls) -> float:
+    """Seconds ``calls`` take at the hardware's per-call costs (Note: [machinery calls])."""
     hw = model.hardware
-    per_dispatch, per_hook = hw.dispatch_call_time, hw.hook_call_time
-    if per_dispatch <= 0 and per_hook <= 0:
-        return 0.0
-    calls = count_calls(model, asg)
-    return calls.dispatch * per_dispatch + (calls.pack + calls.unpack) * per_hook
+    return calls.dispatch * hw.dispatch_call_time + (calls.pack + calls.unpack) * hw.hook_call_time

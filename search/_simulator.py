@@ -13,7 +13,7 @@ import logging
 from profiler import HardwareSpec, Profile
 
 from ._assignment import Assignment, Segment
-from ._machinery import MachineryCalls, count_calls
+from ._machinery import MachineryCalls, count_calls, machinery_time, position_calls
 from ._model import StepModel
 from ._plan import Action, Plan, PlanError
 from ._step_run import StepRun
@@ -126,6 +126,7 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
                 replay += model.swap_compute(u.saved)
     if sac:  # Note: [swap compute]: the policy's dispatch, in forward and replay, charged likewise
         replay += model.sac_overhead(sum(model.units[i].ops for i in members))
+    replay += machinery_time(model, position_calls(model, p, acts))  # Note: [machinery calls]
     # Note: [selective checkpoint input]. A layer under a selective checkpoint runs in a non-reentrant
     # ``torch.utils.checkpoint`` like a whole-layer one: the checkpoint saves the layer's inputs for the replay
     # (``_CheckpointFrame.save_inputs``), whatever the policy caches. Inputs autograd saves anyway (an fp32 block
