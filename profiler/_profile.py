@@ -157,6 +157,9 @@ class OpRecord:
     saved_tensors: int = 0
     """How many tensors the op's autograd node saves (saved-tensor pack calls: inputs, parameters, outputs); 0 in
     profiles recorded before the field (Note: [machinery calls])."""
+    view_ops: int = 0
+    """Forward ops without a record of their own (views, detach, metadata) dispatched between the previous op and
+    this one: a dispatch mode sees ``1 + view_ops`` calls for this op; 0 in profiles recorded before the field."""
 
 
 @dataclass(frozen=True)

@@ -331,6 +331,7 @@ def _op_record(event: OpEvent, namer) -> OpRecord:
         output_bytes=event.output_bytes, saved_bytes=event.saved_bytes, fwd_time=event.fwd_time,
         bwd_time=event.bwd_time, flops=event.flops, consumers=sorted(event.consumers),
         saves_inputs=event.saves_inputs, saves_outputs=event.saves_outputs, saved_tensors=event.saved_tensors,
+        view_ops=event.view_ops,
     )
 
 

@@ -3,27 +3,34 @@
 Note: [machinery calls]. Beside its copies and replays, a plan costs the runtime's Python calls: a dispatch call for
 each op its dispatch modes or selective-checkpoint policy see, a pack call for each saved tensor its saved-tensor
 hooks see and an unpack call for each of those in backward (the runtime counts them: ``FOOTPRINT``,
-``adaptive_mem/runtime/_footprint.py``). The count follows a runtime that intercepts only where a decision needs it:
+``adaptive_mem/runtime/_footprint.py``). The count follows a runtime that intercepts only where a decision needs it
+(Note: [swap scopes] in ``_op_swap.py``, Note: [narrowed select recompute] in ``_sac_policy.py``); an op is
+dispatched ``1 + view_ops`` times (its views with it), a saved tensor packed and unpacked once:
 
-* a layer swapped as a whole: its saved tensors pass the pack hook (and the unpack hook), no op is dispatched in
-  Python (every tensor the layer saves is swapped: nothing to tell apart);
+* a layer swapped as a whole: the tensors saved by its ops, and by the later ops reading their outputs, pass the
+  pack hook; no op is dispatched in Python (every tensor the layer saves is swapped: nothing to tell apart);
 * a layer or group recomputed as a whole: nothing of ours (the checkpoint's own hooks are part of its replay);
-* an op-level decision (a unit swapped or recomputed in a layer that is not swapped or recomputed as a whole, or a
-  unit outside the layers): each forward op of the unit is dispatched once, twice when recomputed (forward and
-  replay); the saved tensors of a swapped unit pass the pack and unpack hooks.
+* op-level swaps: the ops of each swapped unit's module (its scope) are dispatched; the tensors they save, and
+  those saved by the readers of their outputs, are packed;
+* op-level recompute in a layer: the policy sees, in forward and in the replay, the ops of the innermost module
+  below the layer holding the recomputed units and their readers (the whole layer where there is none, or where
+  the layer swaps too); swapped units of such a layer pack their own saved tensors.
+
+What the runtime does beyond this (hooks kept entered past a scope whose output holds a swapped storage, replays
+that stop early) makes the counted calls differ from these by a small factor; ``bench_machinery.py`` prints both.
 
 Each dispatch call costs ``hardware.dispatch_call_time`` seconds and each pack or unpack call
 ``hardware.hook_call_time``, both measured by ``adaptive_mem.calibrate`` (0 in profiles without them: the term
 vanishes). A position's calls are charged with its replay, before its backward (``position_segment``, as Note:
 [swap compute] charges the other mechanism costs), so the simulator and the solvers' menus see them. A whole-layer
-recompute with its input swapped (Note: [swapped checkpoint input]) is counted as a whole-layer recompute. A profile recorded without per-op saved-tensor counts (``OpRecord.saved_tensors`` = 0) prices no hook
-call.
+recompute with its input swapped (Note: [swapped checkpoint input]) is counted as a whole-layer recompute. A profile
+recorded before ``OpRecord.saved_tensors`` and ``view_ops`` prices no hook call and one dispatch call per op.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from ._assignment import Assignment
 from ._model import StepModel
@@ -41,9 +48,45 @@ class MachineryCalls:
     unpack: int = 0
 
 
-def _saved_tensors(model: StepModel, unit: int) -> int:
-    ops = model.profile.ops
-    return sum(ops[oi].saved_tensors for oi in model.profile.units[model.units[unit].index].ops)
+def _unit_ops(model: StepModel, i: int) -> list[int]:
+    return model.profile.units[model.units[i].index].ops
+
+
+def _module(model: StepModel, i: int) -> str:
+    ops = _unit_ops(model, i)
+    return model.profile.ops[ops[0]].module if ops else ""
+
+
+def _under(path: str, scope: str) -> bool:
+    return path == scope or path.startswith(scope + ".")
+
+
+def _dispatches(model: StepModel, ops: Iterable[int]) -> int:
+    return sum(1 + model.profile.ops[o].view_ops for o in ops)
+
+
+def _hooked(model: StepModel, ops: set[int]) -> int:
+    """Pack calls of the tensors saved by ``ops`` and by the later ops that read their outputs."""
+    prof = model.profile
+    readers = {c for o in ops for c in prof.ops[o].consumers}
+    return sum(prof.ops[o].saved_tensors for o in ops | readers)
+
+
+def _region(model: StepModel, p: int, recomputed: list[int], whole: set[int]) -> set[int]:
+    """The ops a selective checkpoint covers: those of the innermost module below the layer holding the recomputed
+    units and their readers in the layer, else the whole layer's ``whole``."""
+    names = {model.units[i].name: i for i in model.positions[p]}
+    held = recomputed + [names[c] for i in recomputed for c in model.profile.units[model.units[i].index].consumers
+                         if c in names]
+    parts = _module(model, held[0]).split(".")
+    for i in held[1:]:
+        other = _module(model, i).split(".")
+        n = next((k for k, (a, b) in enumerate(zip(parts, other)) if a != b), min(len(parts), len(other)))
+        parts = parts[:n]
+    scope, layer = ".".join(parts), model.profile.layer_path(model.layer_of(p))
+    if not scope.startswith(layer + "."):
+        return whole
+    return {o for o in whole if _under(model.profile.ops[o].module, scope)}
 
 
 def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> MachineryCalls:
@@ -51,19 +94,23 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
     checkpoint group (Note: [machinery calls])."""
     members = model.positions[p]
     in_layer = model.layer_of(p) is not None
-    if not members or (in_layer and all(a is Action.RECOMPUTE for a in acts)):
+    swapped = [i for i, a in zip(members, acts) if a is Action.SWAP]
+    recomputed = [i for i, a in zip(members, acts) if a is Action.RECOMPUTE]
+    if not members or (in_layer and len(recomputed) == len(members)) or not (swapped or recomputed):
         return MachineryCalls()
-    if in_layer and all(a is Action.SWAP for a in acts):
-        pack = sum(_saved_tensors(model, i) for i in members)
+    ops = {o for i in members for o in _unit_ops(model, i)}
+    if in_layer and len(swapped) == len(members):
+        pack = _hooked(model, ops)
         return MachineryCalls(pack=pack, unpack=pack)
-    dispatch = pack = 0
-    for i, a in zip(members, acts):
-        if a is Action.SWAP:
-            dispatch += model.units[i].ops
-            pack += _saved_tensors(model, i)
-        elif a is Action.RECOMPUTE:
-            dispatch += 2 * model.units[i].ops
-    return MachineryCalls(dispatch=dispatch, pack=pack, unpack=pack)
+    if recomputed and in_layer:  # the policy sees the region's ops, in forward and in the replay
+        region = ops if swapped else _region(model, p, recomputed, ops)
+        pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})
+        return MachineryCalls(dispatch=2 * _dispatches(model, region), pack=pack, unpack=pack)
+    scopes = {_module(model, i) for i in swapped}
+    scoped = {o for i in swapped for o in _unit_ops(model, i)}
+    scoped |= {o for o in ops if any(s and _under(model.profile.ops[o].module, s) for s in scopes)}
+    pack = _hooked(model, scoped)
+    return MachineryCalls(dispatch=_dispatches(model, scoped), pack=pack, unpack=pack)
 
 
 def count_calls(model: StepModel, asg: Assignment) -> MachineryCalls:

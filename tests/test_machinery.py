@@ -43,19 +43,27 @@ def test_profiles_count_saved_tensors_per_op(prof):
     assert loaded.hardware.dispatch_call_time == 0.0 and loaded.hardware.hook_call_time == 0.0
 
 
+def _dispatches(prof, scope: str) -> int:
+    return sum(1 + op.view_ops for op in prof.ops if op.module == scope or op.module.startswith(scope + "."))
+
+
 def test_calls_follow_the_decided_units(prof):
     assert machinery_calls(prof, Plan()) == MachineryCalls()
-    w1, mul = "layers.0.feed_forward.w1.matmul", "layers.0.feed_forward.mul"
-    ops = {u.name: len(u.ops) for u in prof.units}
-    assert machinery_calls(prof, _swap(w1)) == MachineryCalls(ops[w1], 2, 2)
-    assert machinery_calls(prof, Plan(decisions={mul: Decision(Action.RECOMPUTE)})) == MachineryCalls(2 * ops[mul])
-    more = [u.name for u in prof.layer_units(0) if u.saved_bytes > 0][:4]
-    counts = [machinery_calls(prof, _swap(*more[:k])).dispatch for k in range(1, 5)]
-    assert counts == sorted(counts) and counts[0] < counts[-1]
-    layer = machinery_calls(prof, _swap("layers.0"))  # a whole layer: its saved tensors, no dispatch
-    assert layer == MachineryCalls(0, _saved_tensors(prof, {u.name for u in prof.layer_units(0)}),
-                                   layer.pack) and layer.pack > 0
     assert machinery_calls(prof, Plan(decisions={"layers.0": Decision(Action.RECOMPUTE)})) == MachineryCalls()
+    w1, mul = "layers.0.feed_forward.w1.matmul", "layers.0.feed_forward.mul"
+    one = machinery_calls(prof, _swap(w1))  # the ops of its module, the tensors they and their readers save
+    assert one.dispatch == _dispatches(prof, "layers.0.feed_forward.w1") and 2 <= one.pack == one.unpack <= 8
+    # a select recompute: the policy over its module's ops (the unit and its reader w2), in forward and replay
+    sac = machinery_calls(prof, Plan(decisions={mul: Decision(Action.RECOMPUTE)}))
+    assert sac == MachineryCalls(2 * _dispatches(prof, "layers.0.feed_forward"))
+    spread = Plan(decisions={u: Decision(Action.RECOMPUTE) for u in (mul, "layers.0.attention_norm.norm")})
+    assert machinery_calls(prof, spread).dispatch == 2 * _dispatches(prof, "layers.0") > sac.dispatch
+    more = [u.name for u in prof.layer_units(0) if u.saved_bytes > 0]
+    counts = [machinery_calls(prof, _swap(*more[:k])) for k in range(1, len(more))]
+    assert all(a.dispatch <= b.dispatch and a.pack <= b.pack for a, b in zip(counts, counts[1:]))
+    assert counts[0].dispatch < counts[-1].dispatch
+    layer = machinery_calls(prof, _swap("layers.0"))  # a whole layer: its saved tensors and its readers', no dispatch
+    assert layer.dispatch == 0 and layer.pack >= _saved_tensors(prof, {u.name for u in prof.layer_units(0)}) > 0
 
 
 def test_the_simulator_charges_the_calls_at_their_cost(prof):
