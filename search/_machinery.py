@@ -12,12 +12,13 @@ dispatched ``1 + view_ops`` times (its views with it), a saved tensor packed and
 * a layer or group recomputed as a whole: nothing of ours (the checkpoint's own hooks are part of its replay);
 * op-level swaps: the ops of each swapped unit's module (its scope) are dispatched; the tensors they save, and
   those saved by the readers of their outputs, are packed;
-* op-level recompute in a layer: the policy sees, in forward and in the replay, the ops of the innermost module
-  below the layer holding the recomputed units and their readers (the whole layer where there is none, or where
-  the layer swaps too); swapped units of such a layer pack their own saved tensors.
+* op-level recompute in a layer: the policy sees the ops of the innermost module below the layer holding the
+  recomputed units and their readers (the whole layer where there is none, or where the layer swaps too) once in
+  forward; its calls in the replay, which stops early, are fewer and not counted; swapped units of such a layer
+  pack their own saved tensors.
 
-What the runtime does beyond this (hooks kept entered past a scope whose output holds a swapped storage, replays
-that stop early) makes the counted calls differ from these by a small factor; ``bench_machinery.py`` prints both.
+What the runtime does beyond this (hooks kept entered past a scope whose output holds a swapped storage, the
+replay's calls) makes the counted calls differ from these by a small factor; ``bench_machinery.py`` prints both.
 
 Each dispatch call costs ``hardware.dispatch_call_time`` seconds and each pack or unpack call
 ``hardware.hook_call_time``, both measured by ``adaptive_mem.calibrate`` (0 in profiles without them: the term
@@ -102,10 +103,10 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
     if in_layer and len(swapped) == len(members):
         pack = _hooked(model, ops)
         return MachineryCalls(pack=pack, unpack=pack)
-    if recomputed and in_layer:  # the policy sees the region's ops, in forward and in the replay
+    if recomputed and in_layer:  # the policy sees the region's ops (the replay's fewer calls are not counted)
         region = ops if swapped else _region(model, p, recomputed, ops)
         pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})
-        return MachineryCalls(dispatch=2 * _dispatches(model, region), pack=pack, unpack=pack)
+        return MachineryCalls(dispatch=_dispatches(model, region), pack=pack, unpack=pack)
     scopes = {_module(model, i) for i in swapped}
     scoped = {o for i in swapped for o in _unit_ops(model, i)}
     scoped |= {o for o in ops if any(s and _under(model.profile.ops[o].module, s) for s in scopes)}
