@@ -10,13 +10,14 @@ per layer recomputed op-level, interleaved; the slowdown beyond what the simulat
 charges is the cost. It also measures the swap store's disk tier (``hardware.disk_bandwidth``, the
 file write/read bandwidth where spill files go: ``profiler.measure_disk``), and what one Python call of the
 machinery costs (``hardware.dispatch_call_time``, ``hardware.hook_call_time``: Note: [machinery calls] in
-``search/_machinery.py``): steps whose forward runs under a pass-through dispatch mode, or pass-through saved-tensor
-hooks, against plain ones, the slowdown divided by the calls counted (``FOOTPRINT``). The swap and op-level
+``search/_machinery.py``): a chain of tiny ops under a pass-through dispatch mode, or pass-through saved-tensor
+hooks, against the plain chain, the slowdown divided by the calls counted (``FOOTPRINT``). The swap and op-level
 recompute costs are what remains of their slowdowns beyond those calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
@@ -112,50 +113,53 @@ def _unpack(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _counted_step(bundle: Any, seed: int, device: torch.device, around: Any) -> tuple[float, dict[str, int]]:
-    """Seconds of one forward+backward whose forward runs inside ``around()`` (None: plain) and the calls counted."""
-    batch = bundle.batch(seed=seed)
+def _chain(x: torch.Tensor, w: torch.Tensor, ops: int) -> torch.Tensor:
+    y = x
+    for _ in range(ops):
+        y = y * w
+    return y.sum()
 
-    def step() -> None:
-        if around is None:
-            loss = bundle.loss(batch)
-        else:
-            with around():
-                loss = bundle.loss(batch)
-        loss.backward()
+
+def _timed_chain(x: torch.Tensor, w: torch.Tensor, ops: int, around: Any, backward: bool) -> tuple[float, int]:
+    """Seconds of a chain of ``ops`` small multiplies (forward, or forward+backward) run inside ``around()`` (None:
+    plain), and the machinery calls it counted."""
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            if not backward:
+                stack.enter_context(torch.no_grad())
+            if around is not None:
+                stack.enter_context(around())
+            loss = _chain(x, w, ops)
+        if backward:
+            loss.backward()
+            w.grad = None
     FOOTPRINT.reset()
-    seconds = timed(step, device)
+    seconds = timed(run, x.device)
     calls = FOOTPRINT.snapshot()
-    for p in bundle.model.parameters():
-        p.grad = None
-    return seconds, calls
+    return seconds, calls["dispatch"] + calls["pack"] + calls["unpack"]
 
 
-def _call_costs(bundle: Any, rounds: int) -> tuple[float, float]:
-    """Seconds of one dispatch call and of one pack or unpack hook call (Note: [machinery calls]): medians of
-    ``rounds`` interleaved plain / pass-through-mode / pass-through-hooks steps, the slowdown over the calls; 0 when
-    within noise. The parameters' ``.grad`` restored afterwards."""
-    device = next(bundle.model.parameters()).device
-    grads = [(p, p.grad) for p in bundle.model.parameters()]
-    variants = {"plain": None, "dispatch": _PassThrough,
-                "hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)}
+def _call_costs(device: torch.device, rounds: int, ops: int = 2000) -> tuple[float, float]:
+    """Seconds of one dispatch call and of one pack or unpack hook call (Note: [machinery calls]): a chain of
+    ``ops`` multiplies of 16 numbers (the op itself next to nothing) timed plain and under a pass-through dispatch
+    mode (forward), plain and under pass-through saved-tensor hooks (forward and backward); the least of ``rounds``
+    interleaved runs of each (a busy machine only adds), the difference over the calls counted; 0 within noise."""
+    x = torch.randn(16, device=device)
+    w = torch.randn(16, device=device, requires_grad=True)
+    hooks = lambda: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)  # noqa: E731
+    variants = {"plain": (None, False), "dispatch": (_PassThrough, False), "plain-bw": (None, True),
+                "hooks": (hooks, True)}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    calls: dict[str, dict[str, int]] = {}
-    try:
-        for k in range(rounds + 1):
-            for name, around in variants.items():
-                seconds, calls[name] = _counted_step(bundle, k, device, around)
-                if k:  # the first round warms up
-                    times[name].append(seconds)
-    finally:
-        for p, g in grads:
-            p.grad = g
-    plain = statistics.median(times["plain"])
-    dispatch, hooks = calls["dispatch"]["dispatch"], calls["hooks"]["pack"] + calls["hooks"]["unpack"]
-    per_dispatch = max(0.0, statistics.median(times["dispatch"]) - plain) / dispatch if dispatch else 0.0
-    per_hook = max(0.0, statistics.median(times["hooks"]) - plain) / hooks if hooks else 0.0
-    log.info("calibrate: %.2f us per dispatch call (%d calls), %.2f us per pack/unpack hook call (%d calls)",
-             per_dispatch * 1e6, dispatch, per_hook * 1e6, hooks)
+    calls: dict[str, int] = {}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, (around, backward) in variants.items():
+            seconds, calls[name] = _timed_chain(x, w, ops, around, backward)
+            times[name].append(seconds)
+    least = {name: min(ts[1:]) for name, ts in times.items()}
+    per_dispatch = max(0.0, least["dispatch"] - least["plain"]) / max(1, calls["dispatch"])
+    per_hook = max(0.0, least["hooks"] - least["plain-bw"]) / max(1, calls["hooks"])
+    log.info("calibrate: %.2f us per dispatch call, %.2f us per pack/unpack hook call", per_dispatch * 1e6,
+             per_hook * 1e6)
     return per_dispatch, per_hook
 
 
@@ -177,16 +181,18 @@ def _swap_bandwidth(profile: Profile, plan: Plan, plain: float, times: list[floa
 def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     """``profile`` with ``hardware.disk_bandwidth``, ``hardware.dispatch_call_time``, ``hardware.hook_call_time``,
     ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on ``bundle`` (a ModelBundle on a
-    real device): medians of ``pairs`` interleaved rounds (twice as many, at least 5, for the per-call costs); each
-    plan is timed on its second step after being applied (the first fills the host pool and traces the layers). A
-    profile without repeated layers keeps the swap and recompute costs at 0; a slowdown within noise (<= 0) gives 0."""
+    real device): medians of ``pairs`` interleaved rounds (the per-call costs: the least of twice as many, at least
+    5); each plan is timed on its second step after being applied (the first fills the host pool and traces the
+    layers). A profile without repeated layers keeps the swap and recompute costs at 0; a slowdown within noise
+    (<= 0) gives 0."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
     if not profile.measured:
         return profile
     disk = measure_disk()
     log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
-    per_dispatch, per_hook = _call_costs(bundle, max(5, 2 * pairs))
+    device = next(bundle.model.parameters()).device
+    per_dispatch, per_hook = _call_costs(device, max(5, 2 * pairs))
     profile = dataclasses.replace(profile, hardware=dataclasses.replace(
         profile.hardware, disk_bandwidth=disk, dispatch_call_time=per_dispatch, hook_call_time=per_hook))
     if profile.layer_container is None or profile.num_layers == 0:
