@@ -37,7 +37,7 @@ from ._assignment import Assignment
 from ._model import StepModel
 from ._plan import Action
 
-__all__ = ["MachineryCalls", "count_calls", "machinery_time", "position_calls"]
+__all__ = ["MachineryCalls", "count_calls", "machinery_time", "position_calls", "select_region"]
 
 
 @dataclass(frozen=True)
@@ -73,10 +73,15 @@ def _hooked(model: StepModel, ops: set[int]) -> int:
     return sum(prof.ops[o].saved_tensors for o in ops | readers)
 
 
-def _region(model: StepModel, p: int, recomputed: list[int], whole: set[int]) -> set[int]:
-    """The ops a selective checkpoint covers: those of the innermost module below the layer holding the recomputed
-    units and their readers in the layer, else the whole layer's ``whole``."""
-    names = {model.units[i].name: i for i in model.positions[p]}
+def select_region(model: StepModel, p: int, acts: Sequence[Action]) -> list[int] | None:
+    """The units of layer position ``p`` a select recompute checkpoints (Note: [narrowed select recompute] in
+    ``adaptive_mem/runtime/_sac_policy.py``): those of the innermost module below the layer holding the recomputed
+    units and their readers in the layer; None for the whole layer (no such module, or the layer swaps too)."""
+    members = model.positions[p]
+    recomputed = [i for i, a in zip(members, acts) if a is Action.RECOMPUTE]
+    if not recomputed or any(a is Action.SWAP for a in acts) or model.layer_of(p) is None:
+        return None
+    names = {model.units[i].name: i for i in members}
     held = recomputed + [names[c] for i in recomputed for c in model.profile.units[model.units[i].index].consumers
                          if c in names]
     parts = _module(model, held[0]).split(".")
@@ -84,10 +89,10 @@ def _region(model: StepModel, p: int, recomputed: list[int], whole: set[int]) ->
         other = _module(model, i).split(".")
         n = next((k for k, (a, b) in enumerate(zip(parts, other)) if a != b), min(len(parts), len(other)))
         parts = parts[:n]
-    scope, layer = ".".join(parts), model.profile.layer_path(model.layer_of(p))
-    if not scope.startswith(layer + "."):
-        return whole
-    return {o for o in whole if _under(model.profile.ops[o].module, scope)}
+    scope = ".".join(parts)
+    if not scope.startswith(model.profile.layer_path(model.layer_of(p)) + "."):
+        return None
+    return [i for i in members if _under(_module(model, i), scope)]
 
 
 def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> MachineryCalls:
@@ -104,7 +109,8 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
         pack = _hooked(model, ops)
         return MachineryCalls(pack=pack, unpack=pack)
     if recomputed and in_layer:  # the policy sees the region's ops (the replay's fewer calls are not counted)
-        region = ops if swapped else _region(model, p, recomputed, ops)
+        inside = select_region(model, p, acts)
+        region = ops if inside is None else {o for i in inside for o in _unit_ops(model, i)}
         pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})
         return MachineryCalls(dispatch=_dispatches(model, region), pack=pack, unpack=pack)
     scopes = {_module(model, i) for i in swapped}
