@@ -12,7 +12,9 @@ dispatched ``1 + view_ops`` times (its views with it), a saved tensor packed and
 * a layer or group recomputed as a whole: nothing of ours (the checkpoint's own hooks are part of its replay);
 * op-level swaps: the ops of each swapped unit's module (its scope) are dispatched; the tensors they save, and
   those saved by the readers of their outputs, are packed;
-* op-level recompute in a layer: the policy sees the ops of the innermost module below the layer holding the
+* op-level recompute in a layer of units that are modules of their own, read by modules of the layer (Note:
+  [recompute at pack]): the readers' saved tensors pass the pack and unpack hooks, no op is dispatched;
+* other op-level recompute in a layer: the policy sees the ops of the innermost module below the layer holding the
   recomputed units and their readers (the whole layer where there is none, or where the layer swaps too) once in
   forward; its calls in the replay, which stops early, are fewer and not counted; swapped units of such a layer
   pack their own saved tensors.
@@ -73,14 +75,32 @@ def _hooked(model: StepModel, ops: set[int]) -> int:
     return sum(prof.ops[o].saved_tensors for o in ops | readers)
 
 
+def _at_pack(model: StepModel, p: int, recomputed: list[int]) -> bool:
+    """Every recomputed unit of layer position ``p`` is recomputed at pack (Note: [recompute at pack] in
+    ``adaptive_mem/runtime/_pack_recompute.py``): a module of its own whose ops do not save their output, read by
+    modules inside the layer (what the profile cannot tell, random numbers and in-place writes, is not checked)."""
+    prof, layer = model.profile, model.profile.layer_path(model.layer_of(p))
+    names = {model.units[i].name: i for i in model.positions[p]}
+    for i in recomputed:
+        ops = [prof.ops[o] for o in _unit_ops(model, i)]
+        readers = prof.units[model.units[i].index].consumers
+        if not ops or any(op.module != model.units[i].name or op.saves_outputs for op in ops) or not readers \
+                or any(r not in names or _module(model, names[r]) == layer for r in readers):
+            return False
+    return True
+
+
 def select_region(model: StepModel, p: int, acts: Sequence[Action]) -> list[int] | None:
-    """The units of layer position ``p`` a select recompute checkpoints (Note: [narrowed select recompute] in
-    ``adaptive_mem/runtime/_sac_policy.py``): those of the innermost module below the layer holding the recomputed
-    units and their readers in the layer; None for the whole layer (no such module, or the layer swaps too)."""
+    """The units of layer position ``p`` a select recompute replays: the recomputed units alone when recomputed at
+    pack (:func:`_at_pack`), else those of the innermost module below the layer holding the recomputed units and
+    their readers in the layer (Note: [narrowed select recompute] in ``adaptive_mem/runtime/_sac_policy.py``); None
+    for the whole layer (no such module, or the layer swaps too)."""
     members = model.positions[p]
     recomputed = [i for i, a in zip(members, acts) if a is Action.RECOMPUTE]
     if not recomputed or any(a is Action.SWAP for a in acts) or model.layer_of(p) is None:
         return None
+    if _at_pack(model, p, recomputed):
+        return recomputed
     names = {model.units[i].name: i for i in members}
     held = recomputed + [names[c] for i in recomputed for c in model.profile.units[model.units[i].index].consumers
                          if c in names]
@@ -109,6 +129,10 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
         pack = _hooked(model, ops)
         return MachineryCalls(pack=pack, unpack=pack)
     if recomputed and in_layer:  # the policy sees the region's ops (the replay's fewer calls are not counted)
+        if not swapped and _at_pack(model, p, recomputed):  # no dispatch: hooks on the readers' saved tensors
+            readers = {c for i in recomputed for o in _unit_ops(model, i) for c in model.profile.ops[o].consumers}
+            pack = sum(model.profile.ops[o].saved_tensors for o in readers)
+            return MachineryCalls(pack=pack, unpack=pack)
         inside = select_region(model, p, acts)
         region = ops if inside is None else {o for i in inside for o in _unit_ops(model, i)}
         pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})

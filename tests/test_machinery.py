@@ -53,9 +53,12 @@ def test_calls_follow_the_decided_units(prof):
     w1, mul = "layers.0.feed_forward.w1.matmul", "layers.0.feed_forward.mul"
     one = machinery_calls(prof, _swap(w1))  # the ops of its module, the tensors they and their readers save
     assert one.dispatch == _dispatches(prof, "layers.0.feed_forward.w1") and 2 <= one.pack == one.unpack <= 8
-    # a select recompute: the policy over its module's ops (the unit and its reader w2)
-    sac = machinery_calls(prof, Plan(decisions={mul: Decision(Action.RECOMPUTE)}))
-    assert sac == MachineryCalls(_dispatches(prof, "layers.0.feed_forward"))
+    # a module unit read by a module: recomputed at pack, a hook call per tensor its reader (w2) saves
+    assert machinery_calls(prof, Plan(decisions={mul: Decision(Action.RECOMPUTE)})) == MachineryCalls(0, 2, 2)
+    # else the policy over the ops of the module holding the unit and its reader (rope and flash attention)
+    rope = "layers.0.attention.apply_rotary_emb.rope"
+    sac = machinery_calls(prof, Plan(decisions={rope: Decision(Action.RECOMPUTE)}))
+    assert sac == MachineryCalls(_dispatches(prof, "layers.0.attention"))
     spread = Plan(decisions={u: Decision(Action.RECOMPUTE) for u in (mul, "layers.0.attention_norm.norm")})
     assert machinery_calls(prof, spread).dispatch == _dispatches(prof, "layers.0") > sac.dispatch
     more = [u.name for u in prof.layer_units(0) if u.saved_bytes > 0]
