@@ -89,6 +89,8 @@ class OpEvent:
     """This op's autograd node saved a tensor before the op ran (an input or a parameter)."""
     saves_outputs: bool = False
     """This op's autograd node saved a tensor after the op ran (its own output)."""
+    saved_tensors: int = 0
+    """How many tensors this op's autograd node saved (pack calls)."""
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -158,6 +160,7 @@ class Recorder(TorchDispatchMode):
             owner = self._seq_to_op.get(node)
             if owner is None:
                 continue
+            self.events[owner].saved_tensors += 1
             if before_kernel:
                 self.events[owner].saves_inputs = True
             else:

@@ -13,12 +13,14 @@ import logging
 from profiler import HardwareSpec, Profile
 
 from ._assignment import Assignment, Segment
+from ._machinery import MachineryCalls, count_calls
 from ._model import StepModel
 from ._plan import Action, Plan, PlanError
 from ._step_run import StepRun
 from ._timeline import Simulation
 
-__all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment"]
+__all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment",
+           "machinery_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -168,3 +170,10 @@ def simulate(profile: Profile | StepModel, plan: Plan, *, hardware: HardwareSpec
     modules = {n.rsplit(".", k)[0] for n in known for k in range(1, n.count(".") + 1)}
     plan.check_targets(units=known, modules=modules)
     return simulate_assignment(model, resolve(model, plan), in_flight=in_flight, record=record)
+
+
+def machinery_calls(profile: Profile | StepModel, plan: Plan) -> MachineryCalls:
+    """The runtime's Python dispatch, pack and unpack calls per step of ``plan`` on ``profile``, as the simulator
+    charges them (Note: [machinery calls] in ``_machinery.py``)."""
+    model = profile if isinstance(profile, StepModel) else StepModel.build(profile)
+    return count_calls(model, resolve(model, plan))

@@ -7,6 +7,7 @@ Memory is released at the end of a segment's backward (the module docstring of `
 from __future__ import annotations
 
 from ._assignment import Assignment, Segment
+from ._machinery import machinery_time
 from ._model import StepModel
 from ._reserve import reserved_at_peak
 from ._timeline import Interval, Simulation, Timeline
@@ -158,7 +159,8 @@ class StepRun:
             if self.record:
                 memory.append((time, self.model.base + level))
         timeline = Timeline(self.intervals, memory) if self.record else None
-        return Simulation(peak_bytes=self.model.base + peak, step_time=self.t + self.model.other_time,
+        step_time = self.t + self.model.other_time + machinery_time(self.model, self.asg)  # Note: [machinery calls]
+        return Simulation(peak_bytes=self.model.base + peak, step_time=step_time,
                           stall_time=self.stall, recompute_time=self.replay, activation_peak=peak,
                           swapped_bytes=self.swapped, timeline=timeline, spilled_bytes=sum(self.spilled.values()),
                           peak_reserved_bytes=reserved_at_peak(self.model, self.model.base + peak))

@@ -8,7 +8,11 @@ its layer in Python, in forward and replay (``hardware.sac_op_overhead``). This 
 both: forward+backward steps of the plain model, of every layer swapped, and of one cheap unit
 per layer recomputed op-level, interleaved; the slowdown beyond what the simulator already
 charges is the cost. It also measures the swap store's disk tier (``hardware.disk_bandwidth``, the
-file write/read bandwidth where spill files go: ``profiler.measure_disk``).
+file write/read bandwidth where spill files go: ``profiler.measure_disk``), and what one Python call of the
+machinery costs (``hardware.dispatch_call_time``, ``hardware.hook_call_time``: Note: [machinery calls] in
+``search/_machinery.py``): steps whose forward runs under a pass-through dispatch mode, or pass-through saved-tensor
+hooks, against plain ones, the slowdown divided by the calls counted (``FOOTPRINT``). The swap and op-level
+recompute costs are what remains of their slowdowns beyond those calls.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ import statistics
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiler import Profile, measure_disk
 from profiler.tracing import timed
-from search import Action, Decision, Plan, simulate
+from search import Action, Decision, Plan, machinery_calls, simulate
 
 from adaptive_mem.runtime._apply import apply_plan
+from adaptive_mem.runtime._footprint import FOOTPRINT
 
 __all__ = ["calibrate"]
 
@@ -88,17 +94,101 @@ def _time_rounds(bundle: Any, plans: dict[str, Plan], pairs: int) -> tuple[dict[
     return times, moved
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only counts: the least a runtime dispatch mode costs per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    FOOTPRINT.pack += 1
+    return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    FOOTPRINT.unpack += 1
+    return t
+
+
+def _counted_step(bundle: Any, seed: int, device: torch.device, around: Any) -> tuple[float, dict[str, int]]:
+    """Seconds of one forward+backward whose forward runs inside ``around()`` (None: plain) and the calls counted."""
+    batch = bundle.batch(seed=seed)
+
+    def step() -> None:
+        if around is None:
+            loss = bundle.loss(batch)
+        else:
+            with around():
+                loss = bundle.loss(batch)
+        loss.backward()
+    FOOTPRINT.reset()
+    seconds = timed(step, device)
+    calls = FOOTPRINT.snapshot()
+    for p in bundle.model.parameters():
+        p.grad = None
+    return seconds, calls
+
+
+def _call_costs(bundle: Any, rounds: int) -> tuple[float, float]:
+    """Seconds of one dispatch call and of one pack or unpack hook call (Note: [machinery calls]): medians of
+    ``rounds`` interleaved plain / pass-through-mode / pass-through-hooks steps, the slowdown over the calls; 0 when
+    within noise. The parameters' ``.grad`` restored afterwards."""
+    device = next(bundle.model.parameters()).device
+    grads = [(p, p.grad) for p in bundle.model.parameters()]
+    variants = {"plain": None, "dispatch": _PassThrough,
+                "hooks": lambda: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    calls: dict[str, dict[str, int]] = {}
+    try:
+        for k in range(rounds + 1):
+            for name, around in variants.items():
+                seconds, calls[name] = _counted_step(bundle, k, device, around)
+                if k:  # the first round warms up
+                    times[name].append(seconds)
+    finally:
+        for p, g in grads:
+            p.grad = g
+    plain = statistics.median(times["plain"])
+    dispatch, hooks = calls["dispatch"]["dispatch"], calls["hooks"]["pack"] + calls["hooks"]["unpack"]
+    per_dispatch = max(0.0, statistics.median(times["dispatch"]) - plain) / dispatch if dispatch else 0.0
+    per_hook = max(0.0, statistics.median(times["hooks"]) - plain) / hooks if hooks else 0.0
+    log.info("calibrate: %.2f us per dispatch call (%d calls), %.2f us per pack/unpack hook call (%d calls)",
+             per_dispatch * 1e6, dispatch, per_hook * 1e6, hooks)
+    return per_dispatch, per_hook
+
+
+def _swap_bandwidth(profile: Profile, plan: Plan, plain: float, times: list[float], moved: list[int]) -> float:
+    """Bytes/s of swapped activations at which swapping takes compute time beyond its machinery's calls, 0 when
+    free (``hardware.swap_compute_bandwidth``)."""
+    calls = machinery_calls(profile, plan)
+    hw = profile.hardware
+    machinery = calls.dispatch * hw.dispatch_call_time + (calls.pack + calls.unpack) * hw.hook_call_time
+    nbytes = statistics.median(moved) if moved else 0
+    delta = statistics.median(times) - plain - machinery
+    swap_bw = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
+    log.info("calibrate: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step beyond %.4f s of calls: "
+             "%s", nbytes / 2**20, delta, plain, machinery,
+             f"{swap_bw / 1e9:.2f} GB/s charged to compute" if swap_bw else "free for compute")
+    return float(swap_bw)
+
+
 def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
-    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
-    ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
-    on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
+    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.dispatch_call_time``, ``hardware.hook_call_time``,
+    ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on ``bundle`` (a ModelBundle on a
+    real device): medians of ``pairs`` interleaved rounds (twice as many, at least 5, for the per-call costs); each
+    plan is timed on its second step after being applied (the first fills the host pool and traces the layers). A
+    profile without repeated layers keeps the swap and recompute costs at 0; a slowdown within noise (<= 0) gives 0."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
     if not profile.measured:
         return profile
     disk = measure_disk()
     log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
-    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, disk_bandwidth=disk))
+    per_dispatch, per_hook = _call_costs(bundle, max(5, 2 * pairs))
+    profile = dataclasses.replace(profile, hardware=dataclasses.replace(
+        profile.hardware, disk_bandwidth=disk, dispatch_call_time=per_dispatch, hook_call_time=per_hook))
     if profile.layer_container is None or profile.num_layers == 0:
         return profile
     plans = _plans(profile)
@@ -107,19 +197,16 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     hardware = dataclasses.replace(profile.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0)
     uncalibrated = dataclasses.replace(profile, hardware=hardware)
     base = simulate(uncalibrated, Plan()).step_time
-    nbytes = statistics.median(moved) if moved else 0
-    delta = statistics.median(times["swap"]) - plain
-    swap_bw = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
-    log.info("calibrate: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step: %s", nbytes / 2**20,
-             delta, plain, f"{swap_bw / 1e9:.2f} GB/s charged to compute" if swap_bw else "free for compute")
-    hardware = dataclasses.replace(hardware, swap_compute_bandwidth=float(swap_bw))
+    swap_bw = _swap_bandwidth(uncalibrated, plans["swap"], plain, times["swap"], moved)
+    hardware = dataclasses.replace(hardware, swap_compute_bandwidth=swap_bw)
     overhead = 0.0
     if "sac" in plans:
-        replay = simulate(uncalibrated, plans["sac"]).step_time - base  # what the simulator charges already
+        # what the simulator charges already: the replay and the machinery's calls
+        replay = simulate(uncalibrated, plans["sac"]).step_time - base
         ops = sum(len(u.ops) for u in profile.units if u.layer is not None)
         extra = statistics.median(times["sac"]) - plain - replay
         overhead = max(0.0, extra / ops) if ops else 0.0
-        log.info("calibrate: op-level recompute in every layer took %+.4f s beyond its replay (%.4f s): "
+        log.info("calibrate: op-level recompute in every layer took %+.4f s beyond its replay and calls (%.4f s): "
                  "%.1f us per op under the selective-checkpoint policy", extra, replay, overhead * 1e6)
     hardware = dataclasses.replace(hardware, sac_op_overhead=float(overhead))
     return dataclasses.replace(profile, hardware=hardware)

@@ -29,6 +29,7 @@ from profiler.naming import is_compile_wrapper, named_modules
 from profiler.tracing import with_code
 from search import Action
 
+from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
@@ -45,6 +46,7 @@ class _Tracker(TorchDispatchMode):
         self.swaps = swaps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
         out = func(*args, **(kwargs or {}))
         swaps = self.swaps
         if swaps.ctx.opaque or swaps.quiet_layer:
@@ -248,6 +250,7 @@ class OpSwaps:
         return outside, info[1]
 
     def pack(self, t: torch.Tensor) -> Any:
+        FOOTPRINT.pack += 1
         t = no_cycle(t)
         if isinstance(t, nn.Parameter):
             return t
@@ -282,6 +285,7 @@ class OpSwaps:
 
     @staticmethod
     def unpack(x: Any) -> Any:
+        FOOTPRINT.unpack += 1
         return x.unpack() if isinstance(x, Packed) else x
 
     def push(self) -> None:

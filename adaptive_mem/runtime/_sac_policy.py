@@ -34,6 +34,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from profiler.naming import OpCounter, UnitNamer
 from profiler.tracing import install_fake_fallbacks
 
+from ._footprint import FOOTPRINT
 from ._swap_engine import no_cycle
 
 __all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
@@ -224,6 +225,7 @@ class SacPolicy:
         self.on_swap_output = on_swap_output
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        FOOTPRINT.dispatch += 1
         key = self.counter.op_key(func, args)
         if key is None:
             return CheckpointPolicy.PREFER_RECOMPUTE

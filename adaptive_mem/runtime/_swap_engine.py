@@ -43,6 +43,7 @@ from profiler import machinery_scope
 from profiler.tracing import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
+from ._footprint import FOOTPRINT
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
@@ -382,5 +383,6 @@ class SwapEngine:
 
 
 def unpack_saved(x: Any) -> Any:
+    FOOTPRINT.unpack += 1
     return x.unpack() if isinstance(x, Packed) else x
 
