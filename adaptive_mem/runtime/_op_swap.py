@@ -95,6 +95,7 @@ class OpSwaps:
         self.fixed: tuple[int, int, str] | None = None  # inside such a layer's call, tracked: its ``whole`` entry
         self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
         self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
+        self.escaped: list[Any] = []  # weak storages that left a scope in its outputs, while the hooks stay
 
     def named_roots(self) -> list[nn.Module]:
         """The modules whose calls the unit namer follows (under them the tracker names ops): the scopes but the
@@ -159,10 +160,12 @@ class OpSwaps:
     def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
         self.last_layer = i
         self.params.pop(i, None)
+        self._release()
         self.quiet_layer = i not in self.swap_layers
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         self.quiet_layer = False
+        self._release()
         self.on_grad_of(output, i)
 
     def _scope_pre(self, module: nn.Module, args: Any, kwargs: dict) -> None:
@@ -203,7 +206,9 @@ class OpSwaps:
                     st = local_shard(t).untyped_storage()
                     if st._cdata not in self.inputs:
                         self.producer[st._cdata] = (weakref.ref(st), bare[2], bare[0], bare[1])
-        self._leave_scope(keep_hooks=self._escapes(output))
+        self.escaped.extend(self._escaping(output))
+        self._leave_scope(keep_hooks=True)
+        self._release()
 
     def _leave_scope(self, *, keep_hooks: bool) -> None:
         """The outermost scope call ends: the tracker leaves; the hooks too unless ``keep_hooks``."""
@@ -216,14 +221,26 @@ class OpSwaps:
         if self.hooks is not None and not keep_hooks:
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
+            self.escaped.clear()
 
-    def _escapes(self, output: Any) -> bool:
-        """``output`` holds a storage a swap unit produced (a later op may save it)."""
+    def _escaping(self, output: Any) -> list[Any]:
+        """Weak references to the storages in ``output`` that a swap unit produced (a later op may save them)."""
         producer = self.producer
         if not producer:
-            return False
-        return any(isinstance(t, torch.Tensor) and local_shard(t).untyped_storage()._cdata in producer
-                   for t in tree_flatten(_outputs(output))[0])
+            return []
+        found = (producer.get(local_shard(t).untyped_storage()._cdata) for t in tree_flatten(_outputs(output))[0]
+                 if isinstance(t, torch.Tensor))
+        return [info[0] for info in found if info is not None]
+
+    def _release(self) -> None:
+        """Out of every scope, the saved-tensor hooks leave once no storage that escaped a scope lives on (Note:
+        [swap scopes]); checked at each scope's and each layer's call boundaries."""
+        if self.hooks is None or self.entered:
+            return
+        self.escaped = [ref for ref in self.escaped if ref() is not None]
+        if not self.escaped:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
 
     def on_grad_of(self, output: Any, index: int) -> None:
         """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger."""
