@@ -7,11 +7,15 @@ Everything here runs outside dynamo (Note: [compile honoured] in ``_op_level.py`
 
 Note: [swap scopes]. The tracker and the saved-tensor hooks exist only where a swap decision needs them: inside
 the calls of the *scope modules*, for each swap target the module it names (an op unit: the module that runs the
-op; a container that is never called: each of its modules), outermost first. A scope that returns a storage a
-swap unit produced keeps the saved-tensor hooks entered to the end of the forward (a later op may save it); the
-tracker leaves with the scope. So a plan deciding one unit costs a dispatch call per op of its scope module and a
-pack call per tensor saved there, never one per op of the model (tests/test_footprint_swap.py). While compiled
-blocks are wrapped (Note: [swap around compiled blocks]) the hooks cover the whole forward, as those blocks expect.
+op; a container that is never called: each of its modules), outermost first. The tracker leaves with the scope.
+A scope that returns a storage a swap unit produced keeps the saved-tensor hooks entered (a later op may save it)
+up to the end of the first layer call that does not return it (its locals die with the call: a layer's output
+is saved by the next layer at the latest), or of the forward. A layer swapped as a whole needs no tracker: what
+its call saves is its units' but its inputs', its parameters' and buffers' (the rule of the compiled blocks,
+Note: [swap around compiled blocks]), and its outputs are recorded as its units'. So a plan deciding one unit
+costs a dispatch call per op of its scope module and a pack call per tensor saved there, never one per op of the
+model (tests/test_footprint_swap.py). While compiled blocks are wrapped the hooks and the tracker cover the whole
+forward, as those blocks expect.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from profiler.naming import is_compile_wrapper, named_modules
+from profiler.naming import is_compile_wrapper
 from profiler.tracing import with_code
 from search import Action
 
@@ -34,6 +38,7 @@ from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._swap_engine import Packed, local_shard, no_cycle, parameter_storages
+from ._swap_scopes import outputs, scope_modules, storage_keys, whole_layers
 
 __all__ = ["OpSwaps"]
 
@@ -95,7 +100,7 @@ class OpSwaps:
         self.fixed: tuple[int, int, str] | None = None  # inside such a layer's call, tracked: its ``whole`` entry
         self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
         self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
-        self.escaped: list[Any] = []  # weak storages that left a scope in its outputs, while the hooks stay
+        self.escaped: list[Any] = []  # weak swap storages that left a scope in its outputs, while the hooks stay
 
     def named_roots(self) -> list[nn.Module]:
         """The modules whose calls the unit namer follows (under them the tracker names ops): the scopes but the
@@ -160,12 +165,11 @@ class OpSwaps:
     def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
         self.last_layer = i
         self.params.pop(i, None)
-        self._release()
         self.quiet_layer = i not in self.swap_layers
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         self.quiet_layer = False
-        self._release()
+        self._release(output)
         self.on_grad_of(output, i)
 
     def _scope_pre(self, module: nn.Module, args: Any, kwargs: dict) -> None:
@@ -188,7 +192,7 @@ class OpSwaps:
             self.hooks.__enter__()
         if whole is not None:
             self.bare = whole
-            self.inputs = _storage_keys((args, kwargs))
+            self.inputs = storage_keys((args, kwargs))
             return
         self.tracker = _Tracker(self)
         self.tracker.__enter__()
@@ -201,7 +205,7 @@ class OpSwaps:
             return
         bare = self.bare
         if bare is not None:  # the layer's outputs are its units' (the tracker would have seen them made)
-            for t in tree_flatten(_outputs(output))[0]:
+            for t in tree_flatten(outputs(output))[0]:
                 if isinstance(t, torch.Tensor):
                     st = local_shard(t).untyped_storage()
                     if st._cdata not in self.inputs:
@@ -228,16 +232,23 @@ class OpSwaps:
         producer = self.producer
         if not producer:
             return []
-        found = (producer.get(local_shard(t).untyped_storage()._cdata) for t in tree_flatten(_outputs(output))[0]
-                 if isinstance(t, torch.Tensor))
-        return [info[0] for info in found if info is not None]
+        out = []
+        for t in tree_flatten(outputs(output))[0]:
+            if isinstance(t, torch.Tensor):
+                st = local_shard(t).untyped_storage()
+                info = producer.get(st._cdata)
+                if info is not None and info[0]() is st:
+                    out.append(info[0])
+        return out
 
-    def _release(self) -> None:
-        """Out of every scope, the saved-tensor hooks leave once no storage that escaped a scope lives on (Note:
-        [swap scopes]); checked at each scope's and each layer's call boundaries."""
+    def _release(self, layer_output: Any = None) -> None:
+        """Out of every scope, the saved-tensor hooks leave once no storage escaped a scope (Note: [swap scopes]);
+        at a layer's end (``layer_output``), escaped storages it does not return are taken as dead."""
         if self.hooks is None or self.entered:
             return
-        self.escaped = [ref for ref in self.escaped if ref() is not None]
+        if layer_output is not None and self.escaped:
+            returned = storage_keys(outputs(layer_output))
+            self.escaped = [ref for ref in self.escaped if (st := ref()) is not None and st._cdata in returned]
         if not self.escaped:
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
@@ -246,7 +257,7 @@ class OpSwaps:
         """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger."""
         if not torch.is_grad_enabled():
             return
-        t = next((x for x in tree_flatten(_outputs(output))[0]
+        t = next((x for x in tree_flatten(outputs(output))[0]
                   if isinstance(x, torch.Tensor) and x.requires_grad), None)
         if t is not None:
             engine = self.ctx.engine
@@ -324,53 +335,6 @@ class OpSwaps:
             ctx.__exit__(None, None, None)
 
 
-def scope_modules(ctx: PlanContext) -> list[nn.Module]:
-    """The scope modules of the plan's swap targets outside selective layers, outermost only (Note: [swap
-    scopes]): the module a target names, or the one running its op unit; a container's called modules."""
-    modules = dict(named_modules(ctx.model))
-    paths = [ctx.res.layers.layer_path(i) for i in range(ctx.num_layers)] if ctx.res.layers is not None else []
-    found: dict[str, nn.Module] = {}
-    for target, decision in ctx.plan.decisions.items():
-        if decision.action is not Action.SWAP:
-            continue
-        owner = next((i for i, p in enumerate(paths) if target == p or target.startswith(p + ".")), None)
-        if owner is not None and ctx.res.modes[owner] is not LayerMode.SWAP:
-            continue  # a selective layer swaps through its own policy
-        path = target
-        while path not in modules:
-            path = path.rpartition(".")[0]
-        found.update(_called(path, modules[path]))
-    return [m for p, m in found.items() if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)]
-
-
-def whole_layers(ctx: PlanContext, scopes: list[nn.Module]) -> list[tuple[nn.Module, tuple[int, int, str]]]:
-    """The scopes that are layers swapped as a whole (every unit swapped with one backward prefetch), with their
-    (layer index, backward prefetch, layer path)."""
-    out = []
-    index = {id(layer): i for i, layer in enumerate(ctx.layers)}
-    for module in scopes:
-        i = index.get(id(module))
-        if i is None:
-            continue
-        path = ctx.res.layers.layer_path(i)
-        cover = decide(ctx.plan, path)
-        inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
-        if cover.action is Action.SWAP and all(
-                d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
-            out.append((module, (i, cover.backward_prefetch, path)))
-    return out
-
-
-def _called(path: str, module: nn.Module) -> dict[str, nn.Module]:
-    """``module``, or for a container that is never called (``ModuleList``, ``ModuleDict``) its called modules."""
-    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
-        return {path: module}
-    out: dict[str, nn.Module] = {}
-    for name, child in module.named_children():
-        out.update(_called(f"{path}.{name}" if path else name, child))
-    return out
-
-
 def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
     """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
     [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
@@ -384,14 +348,3 @@ def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(*args, **kwargs)
         return eager(*args, **kwargs)
     return functools.wraps(forward)(with_code(planned_forward))
-
-
-def _storage_keys(tree: Any) -> frozenset[int]:
-    return frozenset(local_shard(t).untyped_storage()._cdata for t in tree_flatten(tree)[0]
-                     if isinstance(t, torch.Tensor))
-
-
-def _outputs(output: Any) -> Any:
-    if hasattr(output, "to_tuple"):
-        return output.to_tuple()
-    return output
