@@ -163,13 +163,14 @@ class StreamCopier(Copier):
             self.reap()
 
     def reap(self) -> None:
-        still = []
-        for copy in self._inflight:
-            if copy.event.query():
-                self._finish(copy)
-            else:
-                still.append(copy)
-        self._inflight = still
+        """Finish the landed copies: one stream runs them in issue order, so the first one still running ends it."""
+        inflight = self._inflight
+        done = 0
+        while done < len(inflight) and inflight[done].event.query():
+            self._finish(inflight[done])
+            done += 1
+        if done:
+            del inflight[:done]
 
     def _finish(self, copy: Copy) -> None:
         if copy.on_done is not None:
