@@ -283,8 +283,11 @@ class OpSwaps:
         if isinstance(t, nn.Parameter):
             return t
         bare = self.bare
-        if bare is not None and not self.ctx.opaque:  # in a layer swapped as a whole, untracked (Note: [swap scopes])
-            key = local_shard(t).untyped_storage()._cdata
+        local = local_shard(t)
+        # in a layer swapped as a whole, untracked (Note: [swap scopes]): plain tensors and DTensors' shards; another
+        # subclass (a collective's async wrapper) is kept, as the tracker never names its wrapper storage
+        if bare is not None and not self.ctx.opaque and type(local) is torch.Tensor:
+            key = local.untyped_storage()._cdata
             if key not in self.inputs:
                 if key in self._frozen(bare[0]):
                     return t

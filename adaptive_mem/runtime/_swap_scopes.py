@@ -16,7 +16,7 @@ from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 from ._swap_engine import local_shard
 
-__all__ = ["outputs", "scope_modules", "storage_keys", "whole_layers"]
+__all__ = ["outputs", "scope_modules", "storage_keys", "whole_layers", "whole_swap_prefetch"]
 
 
 def scope_modules(ctx: PlanContext) -> list[nn.Module]:
@@ -32,28 +32,36 @@ def scope_modules(ctx: PlanContext) -> list[nn.Module]:
         if owner is not None and ctx.res.modes[owner] is not LayerMode.SWAP:
             continue  # a selective layer swaps through its own policy
         path = target
-        while path not in modules:
+        while path and path not in modules:
             path = path.rpartition(".")[0]
-        found.update(_called(path, modules[path]))
+        found.update(_called(path, modules.get(path, ctx.model)))
     return [m for p, m in found.items() if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)]
 
 
 def whole_layers(ctx: PlanContext, scopes: list[nn.Module]) -> list[tuple[nn.Module, tuple[int, int, str]]]:
-    """The scopes that are layers swapped as a whole (every unit swapped with one backward prefetch), with their
-    (layer index, backward prefetch, layer path)."""
+    """The scopes that are layers swapped as a whole, with their (layer index, backward prefetch, layer path)."""
     out = []
     index = {id(layer): i for i, layer in enumerate(ctx.layers)}
     for module in scopes:
         i = index.get(id(module))
-        if i is None:
-            continue
-        path = ctx.res.layers.layer_path(i)
-        cover = decide(ctx.plan, path)
-        inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
-        if cover.action is Action.SWAP and all(
-                d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
-            out.append((module, (i, cover.backward_prefetch, path)))
+        prefetch = None if i is None else whole_swap_prefetch(ctx, i)
+        if prefetch is not None:
+            out.append((module, (i, prefetch, ctx.res.layers.layer_path(i))))
     return out
+
+
+def whole_swap_prefetch(ctx: PlanContext, i: int) -> int | None:
+    """The backward prefetch of layer ``i`` when the plan swaps it as a whole (every unit swapped with one
+    backward prefetch), else None."""
+    if ctx.res.modes[i] is not LayerMode.SWAP:
+        return None
+    path = ctx.res.layers.layer_path(i)
+    cover = decide(ctx.plan, path)
+    inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
+    if cover.action is Action.SWAP and all(
+            d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
+        return cover.backward_prefetch
+    return None
 
 
 def _called(path: str, module: nn.Module) -> dict[str, nn.Module]:
