@@ -108,7 +108,8 @@ class Executor:
         self._install_forwards()
         sac = self.selective.states
         if ctx.res.swap_outside_sac or sac:
-            self._install_namer_hooks([ctx.model] if ctx.res.swap_outside_sac else [ctx.layers[i] for i in sac])
+            roots = self.swaps.named_roots() if ctx.res.swap_outside_sac else []  # Note: [swap scopes]
+            self._install_namer_hooks(roots + [ctx.layers[i] for i in sac])
         if ctx.engine is not None:
             self.swaps.install(self.blocks.track)
         self.copies.install()
@@ -173,6 +174,7 @@ class Executor:
     def _forward_begins(self) -> None:
         """An outermost planned forward with swaps begins (after the engine's ``begin_forward``)."""
         self.blocks.sync()
+        self.swaps.scoped = not self.blocks.attrs  # Note: [swap scopes]
 
     # ================================================================== namer hooks
     def _enter(self, module: nn.Module, args: Any) -> None:
