@@ -107,8 +107,9 @@ class Executor:
         ctx = self.ctx
         self._install_forwards()
         sac = self.selective.states
-        if ctx.res.swap_outside_sac or sac:
-            self._install_namer_hooks([ctx.model] if ctx.res.swap_outside_sac else [ctx.layers[i] for i in sac])
+        named = [ctx.layers[i] for i, state in sac.items() if state.hooked]  # the others: Note: [SAC table]
+        if ctx.res.swap_outside_sac or named:
+            self._install_namer_hooks([ctx.model] if ctx.res.swap_outside_sac else named)
         if ctx.engine is not None:
             self.swaps.install(self.blocks.track)
         self.copies.install()

@@ -1,0 +1,175 @@
+"""Op-level select recompute costs the ops it decides, counted (Note: [footprint counters]): the policy answers from a
+table learnt once (Note: [SAC table] in adaptive_mem/runtime/_sac_policy.py), over the innermost module holding the
+decided units (Note: [narrowed select recompute]), with no namer hooks and no pack hooks of the runtime; gradients
+bit for bit those of the same step without a plan."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from adaptive_mem import DeviceMemory, build_model, optimize
+from adaptive_mem.runtime import _selective
+from adaptive_mem.runtime._footprint import FOOTPRINT
+from search import Plan
+from _deterministic import assert_same_step, deterministic, seeded_step  # noqa: F401 - fixture used by name
+
+pytestmark = pytest.mark.usefixtures("deterministic")
+
+MUL = "layers.0.feed_forward.mul"
+
+
+def _plan(decisions: dict) -> Plan:
+    return Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions, "groups": []})
+
+
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops a selective-checkpoint policy is asked about (every op but SAC's ignored ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func not in (torch.ops.aten.detach.default, torch.ops.prim.device.default):
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_of(bundle, module: nn.Module, batch) -> int:
+    """The ops one forward runs inside ``module``."""
+    count = _OpCount()
+    pre = module.register_forward_pre_hook(lambda m, a: count.__enter__() and None)
+    post = module.register_forward_hook(lambda m, a, o: count.__exit__(None, None, None))
+    try:
+        bundle.loss(batch)
+    finally:
+        pre.remove()
+        post.remove()
+    return count.n
+
+
+def _states(handle):
+    return handle._executor.selective.states
+
+
+def test_one_unit_costs_the_ops_of_its_module_not_the_layers():
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = seeded_step(bundle, batch)
+    layer = bundle.model.layers[0]
+    region_ops = _ops_of(bundle, layer.feed_forward, batch)
+    layer_ops = _ops_of(bundle, layer, batch)
+    with optimize(bundle.model, plan=_plan({MUL: "recompute"})) as handle:
+        assert_same_step(seeded_step(bundle, batch), want, "learning step")
+        for step in range(2):
+            FOOTPRINT.reset()
+            assert_same_step(seeded_step(bundle, batch), want, f"step {step}")
+            counts = FOOTPRINT.snapshot()
+            assert counts == {"dispatch": region_ops, "pack": 0, "unpack": 0}, (counts, region_ops)
+        assert _states(handle)[0].region is layer.feed_forward
+        assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
+    assert region_ops * 4 < layer_ops, (region_ops, layer_ops)
+    assert "forward" not in layer.feed_forward.__dict__
+
+
+def _held(bundle, batch, plan: Plan) -> int:
+    """Bytes the forward leaves alive for backward under ``plan`` (its second step)."""
+    with optimize(bundle.model, plan=plan):
+        seeded_step(bundle, batch)
+        gc.collect()
+        mem = DeviceMemory(track_existing=False)
+        mem.track(bundle.model, batch)
+        with mem:
+            base = mem.live
+            loss = bundle.loss(batch)
+            held = mem.live - base
+            loss.backward()
+            del loss
+    return held
+
+
+def test_narrowed_region_holds_and_computes_what_the_layer_checkpoint_does(monkeypatch):
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = seeded_step(bundle, batch)
+    out = {}
+
+    def record(module, args, output) -> None:
+        out.setdefault("bytes", output.numel() * output.element_size())
+    hook = bundle.model.layers[0].feed_forward.mul.register_forward_hook(record)
+    plain = _held(bundle, batch, _plan({"layers.3": "keep"}))
+    hook.remove()
+    narrowed = _held(bundle, batch, _plan({MUL: "recompute"}))
+    monkeypatch.setattr(_selective, "region_path", lambda *args: None)
+    with optimize(bundle.model, plan=_plan({MUL: "recompute"})) as handle:
+        for _ in range(2):
+            assert_same_step(seeded_step(bundle, batch), want, "layer checkpoint")
+        assert _states(handle)[0].region is None
+    whole_layer = _held(bundle, batch, _plan({MUL: "recompute"}))
+    rng_state = torch.get_rng_state().numel()  # the checkpoint keeps the CPU generator's state for its replay
+    assert narrowed == whole_layer == plain - out["bytes"] + rng_state, (narrowed, whole_layer, plain, out["bytes"])
+
+
+class _Ff(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(torch.sigmoid(self.w1(x)) * x.repeat(1, 1, 2))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.ff = _Ff()
+        self.extra = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        if self.extra:  # another control flow: the learnt table no longer fits
+            h = h * 0.5
+        return x + self.ff(h)
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _grads(model: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    model(x).square().sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("unit,narrowed", [("layers.0.ff.mul", True), ("layers.0.tanh", False)])
+def test_a_call_off_the_table_recomputes_and_learns_again(unit: str, narrowed: bool):
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(2, 4, 16)
+    want = {}
+    for extra in (False, True):
+        model.layers[0].extra = extra
+        want[extra] = _grads(model, x)
+    with optimize(model, plan=_plan({unit: "recompute"})) as handle:
+        state = _states(handle)[0]
+        for step, extra in enumerate((False, False, True, True, False)):
+            model.layers[0].extra = extra
+            got = _grads(model, x)
+            assert all(torch.equal(g, w) for g, w in zip(got, want[extra])), (step, extra)
+            assert (state.region is model.layers[0].ff) is narrowed
+            # the layer's table fits no call whose control flow changed; the region's holds none of the change
+            assert (state.table is None) is (not narrowed and step in (2, 4)), step
