@@ -37,7 +37,8 @@ from profiler.tracing import install_fake_fallbacks
 from ._footprint import FOOTPRINT
 from ._swap_engine import no_cycle
 
-__all__ = ["LayerTrace", "OpCounter", "SacPolicy", "TablePolicy", "region_path", "trace_layer", "under"]
+__all__ = ["LayerTrace", "OpCounter", "SacPolicy", "TablePolicy", "is_dtensor", "region_path", "trace_layer",
+           "under"]
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ class _RealPass(Exception):
     """The layer is traced on real tensors at once."""
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
@@ -152,7 +153,7 @@ def _fake_pass(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter
 
     from adaptive_mem.config._clone import fake_clone
 
-    if any(_is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
+    if any(is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
         raise _RealPass("DTensor parameters (tensor parallel)")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     clone, originals = fake_clone(layer, fake)

@@ -20,12 +20,12 @@ checkpoint cache. One difference: eager, a swap unit whose output a recomputed u
 feeds the replay); compiled, that output is saved for the recompute in backward and swapped like any saved value.
 Guarded by tests/test_compile_mixed.py and tests/test_compile_honoured.py.
 
-Note: [a code per selective layer]. Dynamo compiles a selective layer's forward as a frame of its own and guards
-on the layer's modules (and the namer's hooks on them under swaps), which differ per layer, so every selective
-block compiles a graph of its own. Frames of one code object share dynamo's cache and its ``recompile_limit`` (8): with one code for every
-selective forward, the blocks past the eighth (counted over every plan applied in the process) would run eager.
-Each selective forward has a code object of its own (:func:`with_code`): one cache entry each, none past the
-limit (tests/test_compile_mixed.py lowers the limit to 1).
+Note: [a code per selective layer]. Dynamo compiles a selective layer's forward as a frame of its own and guards on
+the layer's modules (and the namer's hooks on them under swaps), which differ per layer, so every selective block
+compiles a graph of its own. Frames of one code object share dynamo's cache and its ``recompile_limit`` (8): with
+one code for every selective forward, the blocks past the eighth (counted over every plan applied in the process)
+would run eager. Each selective forward has a code object of its own (:func:`with_code`): one cache entry each, none
+past the limit (tests/test_compile_mixed.py lowers the limit to 1).
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._op_level import outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
-from ._sac_policy import LayerTrace, OpCounter, SacPolicy, TablePolicy, region_path, trace_layer, under
+from ._sac_policy import (LayerTrace, OpCounter, SacPolicy, TablePolicy, is_dtensor, region_path, trace_layer,
+                          under)
 from ._swap_engine import Packed
 
 __all__ = ["SacLayer", "SelectiveLayers", "swaps_inside"]
@@ -211,7 +212,8 @@ class SelectiveLayers:
         trace, ctx = state.trace, self.ctx
         assert trace is not None
         paths = {ctx.namer.paths[id(m)]: m for m in layer.modules() if id(m) in ctx.namer.paths}
-        plain = ctx.engine is None and state.tabled and not any(is_collective_unit(u) for u in trace.units)
+        plain = ctx.engine is None and state.tabled and not any(is_collective_unit(u) for u in trace.units) \
+            and not any(is_dtensor(p) for p in layer.parameters())  # Note: [tensor-parallel trace]
         path = region_path(trace, state.actions, paths) if plain else None
         module = paths.get(path) if path is not None else None
         if module is None or module is layer or "forward" in module.__dict__ or is_compile_wrapper(module) \
