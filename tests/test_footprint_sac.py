@@ -1,7 +1,8 @@
-"""Op-level select recompute costs the ops it decides, counted (Note: [footprint counters]): the policy answers from a
-table learnt once (Note: [SAC table] in adaptive_mem/runtime/_sac_policy.py), over the innermost module holding the
-decided units (Note: [narrowed select recompute]), with no namer hooks and no pack hooks of the runtime; gradients
-bit for bit those of the same step without a plan."""
+"""Op-level select recompute costs the ops it decides, counted (Note: [footprint counters]): a module unit by
+saved-tensor hooks on its readers alone (Note: [recompute at pack] in adaptive_mem/runtime/_pack_recompute.py), an
+op unit by a policy answering from a table learnt once (Note: [SAC table] in adaptive_mem/runtime/_sac_policy.py)
+over the innermost module holding it and its readers (Note: [narrowed select recompute]), with no namer hooks;
+gradients bit for bit those of the same step without a plan, the bytes held those of a whole-layer checkpoint."""
 
 from __future__ import annotations
 
@@ -53,28 +54,61 @@ def _ops_of(bundle, module: nn.Module, batch) -> int:
     return count.n
 
 
+def _saved_in(bundle, module: nn.Module, batch) -> int:
+    """The tensors autograd saves while ``module`` runs, in one forward."""
+    count = [0]
+
+    def pack(t):
+        count[0] += 1
+        return t
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    pre = module.register_forward_pre_hook(lambda m, a: hooks.__enter__() and None)
+    post = module.register_forward_hook(lambda m, a, o: hooks.__exit__(None, None, None))
+    try:
+        bundle.loss(batch)
+    finally:
+        pre.remove()
+        post.remove()
+    return count[0]
+
+
 def _states(handle):
     return handle._executor.selective.states
 
 
-def test_one_unit_costs_the_ops_of_its_module_not_the_layers():
+def _steps(bundle, batch, plan: Plan, want) -> tuple[dict[str, int], object]:
+    """The counts of the third step under ``plan`` (every step checked bit for bit), and the layer 0 state."""
+    with optimize(bundle.model, plan=plan) as handle:
+        for step in range(3):
+            FOOTPRINT.reset()
+            assert_same_step(seeded_step(bundle, batch), want, f"step {step}")
+        layer = bundle.model.layers[0]
+        assert not any(m._forward_pre_hooks for m in layer.modules() if m is not layer.feed_forward.w2)
+        return FOOTPRINT.snapshot(), _states(handle)[0]
+
+
+def test_a_module_unit_costs_its_readers_saved_tensors_and_no_dispatch():
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = seeded_step(bundle, batch)
+    saved = _saved_in(bundle, bundle.model.layers[0].feed_forward.w2, batch)
+    counts, state = _steps(bundle, batch, _plan({MUL: "recompute"}), want)
+    assert counts == {"dispatch": 0, "pack": saved, "unpack": saved} and saved == 2, (counts, saved)
+    assert state.packed and state.region is None
+
+
+def test_an_op_unit_costs_the_ops_of_its_module_not_the_layers():
     bundle = build_model("llama-tiny", seed=0)
     batch = bundle.batch(seed=0)
     want = seeded_step(bundle, batch)
     layer = bundle.model.layers[0]
-    region_ops = _ops_of(bundle, layer.feed_forward, batch)
+    region_ops = _ops_of(bundle, layer.attention, batch)
     layer_ops = _ops_of(bundle, layer, batch)
-    with optimize(bundle.model, plan=_plan({MUL: "recompute"})) as handle:
-        assert_same_step(seeded_step(bundle, batch), want, "learning step")
-        for step in range(2):
-            FOOTPRINT.reset()
-            assert_same_step(seeded_step(bundle, batch), want, f"step {step}")
-            counts = FOOTPRINT.snapshot()
-            assert counts == {"dispatch": region_ops, "pack": 0, "unpack": 0}, (counts, region_ops)
-        assert _states(handle)[0].region is layer.feed_forward
-        assert not any(m._forward_hooks or m._forward_pre_hooks for m in layer.modules())
-    assert region_ops * 4 < layer_ops, (region_ops, layer_ops)
-    assert "forward" not in layer.feed_forward.__dict__
+    counts, state = _steps(bundle, batch, _plan({"layers.0.attention.flash_attention": "recompute"}), want)
+    assert counts == {"dispatch": region_ops, "pack": 0, "unpack": 0}, (counts, region_ops)
+    assert state.region is layer.attention and not state.packed
+    assert region_ops < layer_ops, (region_ops, layer_ops)
+    assert "forward" not in layer.attention.__dict__
 
 
 def _held(bundle, batch, plan: Plan) -> int:
@@ -93,7 +127,7 @@ def _held(bundle, batch, plan: Plan) -> int:
     return held
 
 
-def test_narrowed_region_holds_and_computes_what_the_layer_checkpoint_does(monkeypatch):
+def test_hooks_region_and_layer_checkpoint_hold_and_compute_alike(monkeypatch):
     bundle = build_model("llama-tiny", seed=0)
     batch = bundle.batch(seed=0)
     want = seeded_step(bundle, batch)
@@ -104,15 +138,18 @@ def test_narrowed_region_holds_and_computes_what_the_layer_checkpoint_does(monke
     hook = bundle.model.layers[0].feed_forward.mul.register_forward_hook(record)
     plain = _held(bundle, batch, _plan({"layers.3": "keep"}))
     hook.remove()
-    narrowed = _held(bundle, batch, _plan({MUL: "recompute"}))
+    held = {"hooks": _held(bundle, batch, _plan({MUL: "recompute"}))}
+    monkeypatch.setattr(_selective, "pack_units", lambda *args: None)
+    held["region"] = _held(bundle, batch, _plan({MUL: "recompute"}))
     monkeypatch.setattr(_selective, "region_path", lambda *args: None)
     with optimize(bundle.model, plan=_plan({MUL: "recompute"})) as handle:
         for _ in range(2):
             assert_same_step(seeded_step(bundle, batch), want, "layer checkpoint")
-        assert _states(handle)[0].region is None
-    whole_layer = _held(bundle, batch, _plan({MUL: "recompute"}))
-    rng_state = torch.get_rng_state().numel()  # the checkpoint keeps the CPU generator's state for its replay
-    assert narrowed == whole_layer == plain - out["bytes"] + rng_state, (narrowed, whole_layer, plain, out["bytes"])
+        assert _states(handle)[0].region is None and not _states(handle)[0].packed
+    held["layer"] = _held(bundle, batch, _plan({MUL: "recompute"}))
+    rng_state = torch.get_rng_state().numel()  # a checkpoint keeps the CPU generator's state for its replay
+    assert held == {"hooks": plain - out["bytes"], "region": plain - out["bytes"] + rng_state,
+                    "layer": plain - out["bytes"] + rng_state}, (held, plain, out)
 
 
 class _Ff(nn.Module):

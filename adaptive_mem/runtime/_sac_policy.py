@@ -61,6 +61,13 @@ class LayerTrace:
     """Storages an in-place op of the call writes."""
     ops: list[tuple[str, int]] = field(default_factory=list)
     """The keys of the call's ops, in order."""
+    saved: set[int] = field(default_factory=set)
+    """Storages autograd saves."""
+    random: set[str] = field(default_factory=set)
+    """Units running an op that draws random numbers."""
+    self_saved: set[str] = field(default_factory=set)
+    """Units one of whose ops saves a tensor the unit produced, as far as the pass tells (Note: [recompute at
+    pack] in ``_pack_recompute.py``): a unit whose last op saves its input also counts."""
 
 
 def _storages(out: Any) -> list[int]:
@@ -77,14 +84,19 @@ class _Recorder(TorchDispatchMode):
         self.mutated: set[int] = set()
         self.first: dict[int, str] = {}
         self.keep: list[Any] = []  # storage ids must stay unique while the pass runs
+        self.last: str | None = None
+        """The unit of the op dispatched last (None: an op of no unit)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         key = self.counter.op_key(func, args)
+        self.last = None
         out = func(*args, **kwargs)
         if key is None:
             return out
-        unit = key[0]
+        unit = self.last = key[0]
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.trace.random.add(unit)
         if unit not in self.trace.consumers:
             self.trace.units.append(unit)
             self.trace.consumers[unit] = set()
@@ -143,6 +155,7 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
     trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
     trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
     trace.producers, trace.mutated, trace.ops = recorder.first, recorder.mutated, list(recorder.outputs)
+    trace.saved = saved
     return trace
 
 
@@ -188,12 +201,15 @@ def _run_on(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, c
 
     call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
     saved: set[int] = set()
+    recorder = _Recorder(counter, LayerTrace())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(t.untyped_storage()._cdata)
+        cdata = t.untyped_storage()._cdata
+        saved.add(cdata)
+        if recorder.last is not None and recorder.producer.get(cdata) == recorder.last:
+            recorder.trace.self_saved.add(recorder.last)
         return no_cycle(t)  # the clone's graph is dropped without backward
 
-    recorder = _Recorder(counter, LayerTrace())
     with _named_as_originals(counter.namer, clone, originals):
         counter.reset()
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():

@@ -48,6 +48,7 @@ from search.planning import matches
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._op_level import outside_dynamo
+from ._pack_recompute import PackRecompute, pack_units
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import (LayerTrace, OpCounter, SacPolicy, TablePolicy, is_dtensor, region_path, trace_layer,
@@ -96,6 +97,8 @@ class SacLayer:
         self.region: nn.Module | None = None
         """The module checkpointed instead of the layer (Note: [narrowed select recompute])."""
         self.region_forward: Callable[..., Any] | None = None
+        self.packed = False
+        """Its units are recomputed by saved-tensor hooks, no checkpoint (Note: [recompute at pack])."""
         self.calls = 0
         self.swap_outputs: dict[int, str] = {}
         self.compiled: list[CompiledSacPolicy] = []  # policies of the compiled bodies traced (Note: [compiled SAC names])
@@ -151,7 +154,7 @@ class SelectiveLayers:
             return fwd_ctx, rec_ctx
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or state.packed:
                 return orig(*args, **kwargs)
             if state.region is not None:
                 return self._region_call(state, orig, args, kwargs)
@@ -160,6 +163,8 @@ class SelectiveLayers:
                 self._prepare(state, layer, orig, *(fresh() if fresh is not None else (args, kwargs)))
                 if fresh is None and self._narrow(state, layer):
                     return self._region_call(state, orig, args, kwargs)
+                if state.packed:
+                    return orig(*args, **kwargs)
             state.swap_outputs = {}
             contexts.clear()
             with self._policy(state, layer):
@@ -208,12 +213,20 @@ class SelectiveLayers:
                 handle.remove()
 
     def _narrow(self, state: SacLayer, layer: nn.Module) -> bool:
-        """Choose the region of Note: [narrowed select recompute] after the layer's trace; False: the layer."""
+        """After the layer's trace: install Note: [recompute at pack] (``state.packed``), else choose the region of
+        Note: [narrowed select recompute] (True); False: the layer is checkpointed."""
         trace, ctx = state.trace, self.ctx
         assert trace is not None
         paths = {ctx.namer.paths[id(m)]: m for m in layer.modules() if id(m) in ctx.namer.paths}
         plain = ctx.engine is None and state.tabled and not any(is_collective_unit(u) for u in trace.units) \
             and not any(is_dtensor(p) for p in layer.parameters())  # Note: [tensor-parallel trace]
+        units = pack_units(trace, state.actions, paths, lambda m: id(m) in ctx.namer.leaves) if plain else None
+        if units is not None:  # Note: [recompute at pack]
+            for unit, readers in units.items():
+                owner = next(p for p in sorted(paths, key=len, reverse=True) if under(unit, p))
+                PackRecompute(paths[owner], [paths[r] for r in readers]).install(ctx.handles)
+            state.packed = True
+            return False
         path = region_path(trace, state.actions, paths) if plain else None
         module = paths.get(path) if path is not None else None
         if module is None or module is layer or "forward" in module.__dict__ or is_compile_wrapper(module) \
