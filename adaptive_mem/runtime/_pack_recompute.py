@@ -2,20 +2,21 @@
 
 Note: [recompute at pack]. A recomputed unit that is a module of its own (a leaf: ``feed_forward.mul`` on
 llama-tiny, an activation module) frees its output when every op that saves it is an op of a module reading it:
-while such a reader runs, a saved-tensor hook replaces a saved tensor on the unit's output storage by a recipe
-(the unit's module and its inputs, and the saved view's geometry), and unpacking the recipe in backward runs the
-module's forward again on those inputs (once per unit call; the saved view taken from it). Nothing else of the
-layer is intercepted: its cost is the unit's recomputed forward, one hook call per reader's saved tensor and four
-module hook calls. The recomputed tensor equals the output bit for bit: the same module on the same inputs under
-the same grad and autocast state; an input written in place before backward raises instead.
+while such a reader runs, a saved-tensor hook replaces a saved tensor on the unit's output storage by a recipe (the
+unit's module and its inputs, and the saved view's geometry), and unpacking the recipe in backward runs the module's
+forward again on those inputs (once per unit call; the saved view taken from it). Nothing else of the layer is
+intercepted: its cost is the unit's recomputed forward, one hook call per reader's saved tensor, one module hook
+call on the unit and two on each reader. The recomputed tensor equals the output bit for bit: the same module on the
+same inputs under the same grad and autocast state; an input written in place before backward raises instead.
 
-It applies (:func:`pack_units`) when every recomputed unit of a layer without swaps is a leaf module that draws
-no random numbers, whose ops do not save what it produced (else its own node would keep the output), whose
-inputs autograd saves anyway (parameters, or storages saved in the traced call: the recipe holds them no longer
-than the unit's own node does), whose output no op of the call writes in place, and whose readers are modules
-inside the layer; else the layer takes the selective checkpoint (Note: [narrowed select recompute] in
-``_sac_policy.py``). The hooks run in eager code only (Note: [compile honoured] in ``_op_level.py``): a compiled
-layer is checkpointed whole. Guarded by tests/test_footprint_sac.py.
+It applies (:func:`pack_units`) when every recomputed unit of a layer without swaps is a leaf module that draws no
+random numbers, whose ops do not save what it produced (else its own node would keep the output), whose inputs
+autograd saves anyway (parameters, or storages saved in the traced call: the recipe adds no storage to what backward
+holds), whose output no op of the call writes in place, and whose readers are modules inside the layer (an own save
+through a view op escapes the trace: the unit then keeps its output, as keep would); else the layer takes the
+selective checkpoint (Note: [narrowed select recompute] in ``_sac_policy.py``). The hooks run in eager code only
+(Note: [compile honoured] in ``_op_level.py``): a compiled layer is checkpointed whole. Guarded by
+tests/test_footprint_sac.py.
 """
 
 from __future__ import annotations
