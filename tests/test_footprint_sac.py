@@ -7,6 +7,7 @@ gradients bit for bit those of the same step without a plan, the bytes held thos
 from __future__ import annotations
 
 import gc
+from copy import deepcopy
 
 import pytest
 import torch
@@ -210,3 +211,12 @@ def test_a_call_off_the_table_recomputes_and_learns_again(unit: str, narrowed: b
             assert (state.region is model.layers[0].ff) is narrowed
             # the layer's table fits no call whose control flow changed; the region's holds none of the change
             assert (state.table is None) is (not narrowed and step in (2, 4)), step
+
+
+def test_a_copy_after_the_first_step_carries_no_hook():
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    with optimize(bundle.model, plan=_plan({MUL: "recompute"})):
+        seeded_step(bundle, batch)
+        copy = deepcopy(bundle.model)
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in copy.modules())

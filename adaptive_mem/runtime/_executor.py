@@ -93,6 +93,7 @@ class Executor:
         self.blocks = CompiledBlocks(ctx, self.swaps, self.selective.states,  # Note: [swap around compiled blocks]
                                      on_wrap=lambda: self.copies.install())
         self.copies = CopyGuard(model, handles=ctx.handles, forwards=ctx.forwards, attrs=self.blocks.attrs)
+        self.selective.on_hooks = lambda: self.copies.install()  # hooks of Note: [recompute at pack], at first call
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
         self.graph = GraphPlan(ctx, self.blocks.op_swap) if engine is not None else None

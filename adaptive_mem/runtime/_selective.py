@@ -110,6 +110,8 @@ class SelectiveLayers:
     def __init__(self, ctx: PlanContext) -> None:
         self.ctx = ctx
         self.states: dict[int, SacLayer] = {}
+        self.on_hooks: Callable[[], None] = lambda: None
+        """Runs after hooks are registered at a layer's first call (the copy guard takes them in)."""
 
     def hooked(self, i: int) -> bool:
         """Layer ``i`` needs the executor's namer hooks on its modules: the plan swaps inside it or outside SAC."""
@@ -225,6 +227,7 @@ class SelectiveLayers:
             for unit, readers in units.items():
                 owner = next(p for p in sorted(paths, key=len, reverse=True) if under(unit, p))
                 PackRecompute(paths[owner], [paths[r] for r in readers]).install(ctx.handles)
+            self.on_hooks()
             state.packed = True
             return False
         path = region_path(trace, state.actions, paths) if plain else None
