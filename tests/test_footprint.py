@@ -58,5 +58,5 @@ def test_op_level_swap_counts_dispatch_pack_and_unpack():
 
 
 def test_sac_policy_counts_dispatch():
-    counts = _counts({"layers.0.feed_forward.mul": "recompute"})
+    counts = _counts({"layers.0.attention.flash_attention": "recompute"})  # mul: no policy (Note: [recompute at pack])
     assert counts["dispatch"] > 0
