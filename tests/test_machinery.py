@@ -78,3 +78,28 @@ def test_the_simulator_charges_the_calls_at_their_cost(prof):
         extra = simulate(priced, plan).step_time - simulate(prof, plan).step_time
         assert extra == pytest.approx(calls.dispatch * 2e-5 + (calls.pack + calls.unpack) * 3e-6, rel=1e-9, abs=1e-12)
     assert simulate(priced, Plan()).step_time == simulate(prof, Plan()).step_time  # the empty plan: nothing
+
+
+def test_counted_calls_of_one_unit_plans_follow_the_model():
+    """The runtime's counted calls (``FOOTPRINT``) of one-unit plans on llama-tiny against the model's count (Note:
+    [machinery calls]): within a factor 2 (plus 2 calls), so the per-call prices apply to the calls that happen."""
+    from adaptive_mem import optimize
+    from adaptive_mem.runtime._footprint import FOOTPRINT
+
+    bundle = build_model("llama-tiny", seed=0, batch_size=2, seq_len=32)
+    real = profiler.profile_step(bundle, warmup=0, repeat=1)
+    batch = bundle.batch(seed=0)
+    plans = [_swap("layers.0.feed_forward.w1.matmul"), _swap("layers.1"),
+             Plan(decisions={"layers.0.feed_forward.mul": Decision(Action.RECOMPUTE)}),
+             Plan(decisions={"layers.0.attention.apply_rotary_emb.rope": Decision(Action.RECOMPUTE)})]
+    for plan in plans:
+        with optimize(bundle.model, plan=plan):
+            for _ in range(2):  # the second step counted: the first learns the layers' traces
+                FOOTPRINT.reset()
+                bundle.loss(batch).backward()
+            counted = FOOTPRINT.snapshot()
+        bundle.model.zero_grad(set_to_none=True)
+        model = machinery_calls(real, plan)
+        for key in ("dispatch", "pack", "unpack"):
+            want = getattr(model, key)
+            assert counted[key] <= 2 * want + 2 and want <= 2 * counted[key] + 2, (plan.decisions, key, counted, model)
