@@ -81,6 +81,12 @@ class HardwareSpec:
     comm_compute_slowdown: float = 0.0
     """Fraction of compute throughput lost while a data-parallel collective runs beside it (the collective
     library's kernels hold SMs), from published figures; 0 for a measured spec and for older profiles."""
+    dispatch_call_time: float = 0.0
+    """Seconds of one Python dispatch call of the runtime (a dispatch mode's or a selective-checkpoint policy's,
+    per op it sees); measured by ``adaptive_mem.calibrate``, 0 when unmeasured (Note: [machinery calls])."""
+    hook_call_time: float = 0.0
+    """Seconds of one saved-tensor pack or unpack hook call of the runtime; measured by ``adaptive_mem.calibrate``,
+    0 when unmeasured (Note: [machinery calls])."""
 
     def __post_init__(self) -> None:
         for key in ("matmul_efficiency", "attention_efficiency", "memory_efficiency"):
@@ -148,6 +154,12 @@ class OpRecord:
     """The op's autograd node saves a tensor before the op runs (an input or a parameter)."""
     saves_outputs: bool = False
     """The op's autograd node saves the op's own output (after it runs)."""
+    saved_tensors: int = 0
+    """How many tensors the op's autograd node saves (saved-tensor pack calls: inputs, parameters, outputs); 0 in
+    profiles recorded before the field (Note: [machinery calls])."""
+    view_ops: int = 0
+    """Forward ops without a record of their own (views, detach, metadata) dispatched between the previous op and
+    this one: a dispatch mode sees ``1 + view_ops`` calls for this op; 0 in profiles recorded before the field."""
 
 
 @dataclass(frozen=True)

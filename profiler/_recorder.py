@@ -89,6 +89,10 @@ class OpEvent:
     """This op's autograd node saved a tensor before the op ran (an input or a parameter)."""
     saves_outputs: bool = False
     """This op's autograd node saved a tensor after the op ran (its own output)."""
+    saved_tensors: int = 0
+    """How many tensors this op's autograd node saved (pack calls)."""
+    view_ops: int = 0
+    """Forward ops without an event of their own (views, detach, metadata) dispatched since the previous op."""
 
 
 def _tensors(tree: object) -> list[torch.Tensor]:
@@ -126,6 +130,7 @@ class Recorder(TorchDispatchMode):
         self._seq_to_op: dict[int, int] = {}
         self._packs: list[tuple[int, bool]] = []
         self._last_seq = 0
+        self._view_ops = 0  # forward ops without an event since the last event (OpEvent.view_ops)
         self._alive: dict[int, weakref.ref] = {}
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -158,6 +163,7 @@ class Recorder(TorchDispatchMode):
             owner = self._seq_to_op.get(node)
             if owner is None:
                 continue
+            self.events[owner].saved_tensors += 1
             if before_kernel:
                 self.events[owner].saves_inputs = True
             else:
@@ -272,6 +278,7 @@ class Recorder(TorchDispatchMode):
         if func.overloadpacket is torch.ops.aten.detach:
             # makes no autograd node: the nodes made since the last op are the next op's (a pack hook detaches what
             # it saves before the saving op's kernel runs: Note: [pack without a cycle], Note: [sequence numbers])
+            self._view_ops += 1
             return func(*args, **kwargs)
         unit = self.namer.name(func, args)
         if unit is None and (func.namespace == "profiler" or self.namer.regions.wrapper):
@@ -280,6 +287,7 @@ class Recorder(TorchDispatchMode):
             self.wrapper_time += seconds
             return out
         if unit is None and func.namespace == "prim":  # metadata (fake tensors' .device): no node of its own
+            self._view_ops += 1
             return func(*args, **kwargs)
         seq = torch.autograd._get_sequence_nr()
         new_nodes = range(self._last_seq, seq)
@@ -289,13 +297,15 @@ class Recorder(TorchDispatchMode):
         out, seconds = self._run(func, args, kwargs)
         outputs = _tensors(out)
         if unit is None:  # a view: allocates nothing; its nodes belong to the viewed storage's producer
+            self._view_ops += 1
             owner = next((self._producer[k] for k in input_keys if k in self._producer), None)
             if owner is not None:
                 for nr in new_nodes:
                     self._seq_to_op[nr] = owner
             return out
         index = len(self.events)
-        event = OpEvent(index=index, func=func, unit=unit, module=self.namer.module_path)
+        event = OpEvent(index=index, func=func, unit=unit, module=self.namer.module_path, view_ops=self._view_ops)
+        self._view_ops = 0
         self.events.append(event)
         for nr in new_nodes:
             self._seq_to_op[nr] = index

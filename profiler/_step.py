@@ -336,7 +336,8 @@ def _op_record(event: OpEvent, namer) -> OpRecord:
         index=event.index, op=str(event.func), unit=event.unit, module=event.module, layer=layer,
         output_bytes=event.output_bytes, saved_bytes=event.saved_bytes, fwd_time=event.fwd_time,
         bwd_time=event.bwd_time, flops=event.flops, consumers=sorted(event.consumers),
-        saves_inputs=event.saves_inputs, saves_outputs=event.saves_outputs,
+        saves_inputs=event.saves_inputs, saves_outputs=event.saves_outputs, saved_tensors=event.saved_tensors,
+        view_ops=event.view_ops,
     )
 
 

@@ -13,12 +13,14 @@ import logging
 from profiler import HardwareSpec, Profile
 
 from ._assignment import Assignment, Segment
+from ._machinery import MachineryCalls, count_calls, machinery_time, position_calls, select_region
 from ._model import StepModel
 from ._plan import Action, Plan, PlanError
 from ._step_run import StepRun
 from ._timeline import Simulation
 
-__all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment"]
+__all__ = ["Assignment", "Segment", "couple", "position_segment", "read_by_recompute", "resolve", "segments", "simulate", "simulate_assignment",
+           "machinery_calls"]
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,8 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
     swaps = [i for i, a in zip(members, acts) if a is Action.SWAP]
     hold: dict[int, int] = {}
     sac = bool(recompute)
+    # Note: [narrowed select recompute]: the checkpoint covers the region's units, the layer's others run plainly
+    region = set(select_region(model, p, acts) or members) if sac else set()
     transient, replay = 0, 0.0
     for i, a in zip(members, acts):
         u = model.units[i]
@@ -117,13 +121,14 @@ def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:
             transient += u.saved
             replay += u.sac_replay_all
         else:
-            hold[i] = (0 if a is Action.SWAP else u.saved) + (u.sac_extra if sac else 0)
+            hold[i] = (0 if a is Action.SWAP else u.saved) + (u.sac_extra if i in region else 0)
             # swapped units' ops are MUST_SAVE (their cached outputs are what is swapped)
-            replay += u.sac_replay if sac and a is not Action.SWAP else 0.0
+            replay += u.sac_replay if i in region and a is not Action.SWAP else 0.0
             if a is Action.SWAP:  # Note: [swap compute] charged before the layer's backward, as replay is
                 replay += model.swap_compute(u.saved)
     if sac:  # Note: [swap compute]: the policy's dispatch, in forward and replay, charged likewise
-        replay += model.sac_overhead(sum(model.units[i].ops for i in members))
+        replay += model.sac_overhead(sum(model.units[i].ops for i in region))
+    replay += machinery_time(model, position_calls(model, p, acts))  # Note: [machinery calls]
     # Note: [selective checkpoint input]. A layer under a selective checkpoint runs in a non-reentrant
     # ``torch.utils.checkpoint`` like a whole-layer one: the checkpoint saves the layer's inputs for the replay
     # (``_CheckpointFrame.save_inputs``), whatever the policy caches. Inputs autograd saves anyway (an fp32 block
@@ -168,3 +173,10 @@ def simulate(profile: Profile | StepModel, plan: Plan, *, hardware: HardwareSpec
     modules = {n.rsplit(".", k)[0] for n in known for k in range(1, n.count(".") + 1)}
     plan.check_targets(units=known, modules=modules)
     return simulate_assignment(model, resolve(model, plan), in_flight=in_flight, record=record)
+
+
+def machinery_calls(profile: Profile | StepModel, plan: Plan) -> MachineryCalls:
+    """The runtime's Python dispatch, pack and unpack calls per step of ``plan`` on ``profile``, as the simulator
+    charges them (Note: [machinery calls] in ``_machinery.py``)."""
+    model = profile if isinstance(profile, StepModel) else StepModel.build(profile)
+    return count_calls(model, resolve(model, plan))

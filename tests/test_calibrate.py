@@ -20,9 +20,12 @@ def test_measures_on_a_real_device_and_changes_nothing_else():
     bandwidth, overhead = out.hardware.swap_compute_bandwidth, out.hardware.sac_op_overhead
     assert 0 <= bandwidth < float("inf") and 0 <= overhead < 1e-2
     assert out.hardware.disk_bandwidth > 0  # the disk tier of the swap store, measured too
+    # the machinery's per-call costs (Note: [machinery calls]): measured, finite (their size is the benchmark's)
+    assert 0 <= out.hardware.dispatch_call_time < 1 and 0 <= out.hardware.hook_call_time < 1
     # only those fields changed; the model, its gradients and the input profile are untouched
     assert dataclasses.replace(out.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0,
-                               disk_bandwidth=prof.hardware.disk_bandwidth) == prof.hardware
+                               disk_bandwidth=prof.hardware.disk_bandwidth, dispatch_call_time=0.0,
+                               hook_call_time=0.0) == prof.hardware
     assert prof.hardware.swap_compute_bandwidth == 0.0 and prof.hardware.sac_op_overhead == 0.0
     assert dataclasses.replace(out, hardware=prof.hardware) == prof
     assert [p.grad for p in bundle.model.parameters()] == grads

@@ -19,14 +19,14 @@ BAD = [-1, -0.5, float("nan"), float("inf"), float("-inf")]
 # every size, time, bandwidth and count a profile stores
 PROFILE_KEYS = [
     ("ops", 0, "saved_bytes"), ("ops", 0, "output_bytes"), ("ops", 0, "fwd_time"), ("ops", 0, "bwd_time"),
-    ("ops", 0, "flops"), ("units", 0, "saved_bytes"), ("units", 0, "output_bytes"), ("units", 0, "fwd_time"),
+    ("ops", 0, "flops"), ("ops", 0, "saved_tensors"), ("ops", 0, "view_ops"), ("units", 0, "saved_bytes"), ("units", 0, "output_bytes"), ("units", 0, "fwd_time"),
     ("units", 0, "bwd_time"), ("static", "parameters"), ("static", "buffers"), ("static", "gradients"),
     ("static", "other"), ("static", "optimizer_state"), ("hardware", "peak_flops"), ("hardware", "memory_bandwidth"),
     ("hardware", "h2d_bandwidth"), ("hardware", "d2h_bandwidth"), ("hardware", "device_memory"),
     ("hardware", "swap_compute_bandwidth"), ("hardware", "sac_op_overhead"), ("hardware", "disk_bandwidth"),
     ("hardware", "fp32_flops"), ("hardware", "half_flops"), ("hardware", "matmul_efficiency"),
     ("hardware", "attention_efficiency"), ("hardware", "memory_efficiency"), ("hardware", "kernel_latency"),
-    ("hardware", "comm_compute_slowdown"),
+    ("hardware", "comm_compute_slowdown"), ("hardware", "dispatch_call_time"), ("hardware", "hook_call_time"),
     ("saved_input_bytes",),
     ("peak_memory",), ("step_time",), ("unattributed_time",), ("optimizer_time",), ("num_layers",),
     ("model", "batch_size"), ("model", "seq_len"),

@@ -94,9 +94,10 @@ PUBLIC = {
         "measure_disk", "measure_link", "profile_compiled", "profile_step", "shard_profile", "compiled_estimate"},
     "search": {
         "Action", "BatchSizesError", "Budget", "BudgetError", "Decision", "DeviceMemoryError",
-        "InfeasibleBudgetError", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost", "Problem",
-        "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats", "StepModel",
-        "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver", "maximize_throughput",
+        "InfeasibleBudgetError", "MachineryCalls", "PLAN_FORMAT", "PLAN_VERSION", "Plan", "PlanError", "PredictedCost",
+        "Problem", "ScalingCheck", "SeqLenBucketError", "Simulation", "SolveResult", "Solver", "SolverStats",
+        "StepModel", "ThroughputResult", "ThroughputRow", "UnknownSolverError", "fmt_bytes", "get_solver",
+        "machinery_calls", "maximize_throughput",
         "merge_plans", "minimum_budget", "parse_bytes", "profile_for_batch", "register_solver", "scale_profile",
         "scale_to_seq_len", "scaling_error", "seq_len_bucket", "simulate", "solver_names"},
 }

@@ -8,23 +8,30 @@ its layer in Python, in forward and replay (``hardware.sac_op_overhead``). This 
 both: forward+backward steps of the plain model, of every layer swapped, and of one cheap unit
 per layer recomputed op-level, interleaved; the slowdown beyond what the simulator already
 charges is the cost. It also measures the swap store's disk tier (``hardware.disk_bandwidth``, the
-file write/read bandwidth where spill files go: ``profiler.measure_disk``).
+file write/read bandwidth where spill files go: ``profiler.measure_disk``), and what one Python call of the
+machinery costs (``hardware.dispatch_call_time``, ``hardware.hook_call_time``: Note: [machinery calls] in
+``search/_machinery.py``): a chain of tiny ops under a pass-through dispatch mode, or pass-through saved-tensor
+hooks, against the plain chain, the slowdown divided by the calls counted (``FOOTPRINT``). The swap and op-level
+recompute costs are what remains of their slowdowns beyond those calls.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import statistics
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from profiler import Profile, measure_disk
 from profiler.tracing import timed
-from search import Action, Decision, Plan, simulate
+from search import Action, Decision, Plan, machinery_calls, simulate
 
 from adaptive_mem.runtime._apply import apply_plan
+from adaptive_mem.runtime._footprint import FOOTPRINT
 
 __all__ = ["calibrate"]
 
@@ -88,17 +95,106 @@ def _time_rounds(bundle: Any, plans: dict[str, Plan], pairs: int) -> tuple[dict[
     return times, moved
 
 
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that only counts: the least a runtime dispatch mode costs per op."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _pack(t: torch.Tensor) -> torch.Tensor:
+    FOOTPRINT.pack += 1
+    return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    FOOTPRINT.unpack += 1
+    return t
+
+
+def _chain(x: torch.Tensor, w: torch.Tensor, ops: int) -> torch.Tensor:
+    y = x
+    for _ in range(ops):
+        y = y * w
+    return y.sum()
+
+
+def _timed_chain(x: torch.Tensor, w: torch.Tensor, ops: int, around: Any, backward: bool) -> tuple[float, int]:
+    """Seconds of a chain of ``ops`` small multiplies (forward, or forward+backward) run inside ``around()`` (None:
+    plain), and the machinery calls it counted."""
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            if not backward:
+                stack.enter_context(torch.no_grad())
+            if around is not None:
+                stack.enter_context(around())
+            loss = _chain(x, w, ops)
+        if backward:
+            loss.backward()
+            w.grad = None
+    FOOTPRINT.reset()
+    seconds = timed(run, x.device)
+    calls = FOOTPRINT.snapshot()
+    return seconds, calls["dispatch"] + calls["pack"] + calls["unpack"]
+
+
+def _call_costs(device: torch.device, rounds: int, ops: int = 2000) -> tuple[float, float]:
+    """Seconds of one dispatch call and of one pack or unpack hook call (Note: [machinery calls]): a chain of
+    ``ops`` multiplies of 16 numbers (the op itself next to nothing) timed plain and under a pass-through dispatch
+    mode (forward), plain and under pass-through saved-tensor hooks (forward and backward); the least of ``rounds``
+    interleaved runs of each (a busy machine only adds), the difference over the calls counted; 0 within noise."""
+    x = torch.randn(16, device=device)
+    w = torch.randn(16, device=device, requires_grad=True)
+    hooks = lambda: torch.autograd.graph.saved_tensors_hooks(_pack, _unpack)  # noqa: E731
+    variants = {"plain": (None, False), "dispatch": (_PassThrough, False), "plain-bw": (None, True),
+                "hooks": (hooks, True)}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    calls: dict[str, int] = {}
+    for _ in range(rounds + 1):  # the first round warms up
+        for name, (around, backward) in variants.items():
+            seconds, calls[name] = _timed_chain(x, w, ops, around, backward)
+            times[name].append(seconds)
+    least = {name: min(ts[1:]) for name, ts in times.items()}
+    per_dispatch = max(0.0, least["dispatch"] - least["plain"]) / max(1, calls["dispatch"])
+    per_hook = max(0.0, least["hooks"] - least["plain-bw"]) / max(1, calls["hooks"])
+    log.info("calibrate: %.2f us per dispatch call, %.2f us per pack/unpack hook call", per_dispatch * 1e6,
+             per_hook * 1e6)
+    return per_dispatch, per_hook
+
+
+def _swap_bandwidth(profile: Profile, plan: Plan, plain: float, times: list[float], moved: list[int]) -> float:
+    """Bytes/s of swapped activations at which swapping takes compute time beyond its machinery's calls, 0 when
+    free (``hardware.swap_compute_bandwidth``)."""
+    calls = machinery_calls(profile, plan)
+    hw = profile.hardware
+    machinery = calls.dispatch * hw.dispatch_call_time + (calls.pack + calls.unpack) * hw.hook_call_time
+    nbytes = statistics.median(moved) if moved else 0
+    delta = statistics.median(times) - plain - machinery
+    swap_bw = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
+    log.info("calibrate: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step beyond %.4f s of calls: "
+             "%s", nbytes / 2**20, delta, plain, machinery,
+             f"{swap_bw / 1e9:.2f} GB/s charged to compute" if swap_bw else "free for compute")
+    return float(swap_bw)
+
+
 def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
-    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on
-    ``bundle`` (a ModelBundle on a real device): medians of ``pairs`` interleaved rounds; each plan is timed
-    on its second step after being applied (the first fills the host pool and traces the layers). A profile without repeated layers keeps both at 0; a slowdown within noise (<= 0) gives 0."""
+    """``profile`` with ``hardware.disk_bandwidth``, ``hardware.dispatch_call_time``, ``hardware.hook_call_time``,
+    ``hardware.swap_compute_bandwidth`` and ``hardware.sac_op_overhead`` measured on ``bundle`` (a ModelBundle on a
+    real device): medians of ``pairs`` interleaved rounds (the per-call costs: the least of twice as many, at least
+    5); each plan is timed on its second step after being applied (the first fills the host pool and traces the
+    layers). A profile without repeated layers keeps the swap and recompute costs at 0; a slowdown within noise
+    (<= 0) gives 0."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs}: expected an integer >= 1")
     if not profile.measured:
         return profile
     disk = measure_disk()
     log.info("calibrate: the swap store's disk tier writes and reads back at %.2f GB/s", disk / 1e9)
-    profile = dataclasses.replace(profile, hardware=dataclasses.replace(profile.hardware, disk_bandwidth=disk))
+    device = next(bundle.model.parameters()).device
+    per_dispatch, per_hook = _call_costs(device, max(5, 2 * pairs))
+    profile = dataclasses.replace(profile, hardware=dataclasses.replace(
+        profile.hardware, disk_bandwidth=disk, dispatch_call_time=per_dispatch, hook_call_time=per_hook))
     if profile.layer_container is None or profile.num_layers == 0:
         return profile
     plans = _plans(profile)
@@ -107,19 +203,16 @@ def calibrate(bundle: Any, profile: Profile, *, pairs: int = 3) -> Profile:
     hardware = dataclasses.replace(profile.hardware, swap_compute_bandwidth=0.0, sac_op_overhead=0.0)
     uncalibrated = dataclasses.replace(profile, hardware=hardware)
     base = simulate(uncalibrated, Plan()).step_time
-    nbytes = statistics.median(moved) if moved else 0
-    delta = statistics.median(times["swap"]) - plain
-    swap_bw = nbytes / delta if delta > 0 and nbytes > 0 else 0.0
-    log.info("calibrate: swapping %.1f MiB per step took %+.4f s over a plain %.4f s step: %s", nbytes / 2**20,
-             delta, plain, f"{swap_bw / 1e9:.2f} GB/s charged to compute" if swap_bw else "free for compute")
-    hardware = dataclasses.replace(hardware, swap_compute_bandwidth=float(swap_bw))
+    swap_bw = _swap_bandwidth(uncalibrated, plans["swap"], plain, times["swap"], moved)
+    hardware = dataclasses.replace(hardware, swap_compute_bandwidth=swap_bw)
     overhead = 0.0
     if "sac" in plans:
-        replay = simulate(uncalibrated, plans["sac"]).step_time - base  # what the simulator charges already
+        # what the simulator charges already: the replay and the machinery's calls
+        replay = simulate(uncalibrated, plans["sac"]).step_time - base
         ops = sum(len(u.ops) for u in profile.units if u.layer is not None)
         extra = statistics.median(times["sac"]) - plain - replay
         overhead = max(0.0, extra / ops) if ops else 0.0
-        log.info("calibrate: op-level recompute in every layer took %+.4f s beyond its replay (%.4f s): "
+        log.info("calibrate: op-level recompute in every layer took %+.4f s beyond its replay and calls (%.4f s): "
                  "%.1f us per op under the selective-checkpoint policy", extra, replay, overhead * 1e6)
     hardware = dataclasses.replace(hardware, sac_op_overhead=float(overhead))
     return dataclasses.replace(profile, hardware=hardware)

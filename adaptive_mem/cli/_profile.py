@@ -51,8 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibrate", action="store_true",
                         help="also measure the compute that swaps and op-level recompute cost on this device "
                              "(a few plain, swap-every-layer and one-unit-recomputed steps): "
-                             "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; and the disk tier's "
-                             "bandwidth, hardware.disk_bandwidth; real devices only")
+                             "hardware.swap_compute_bandwidth and hardware.sac_op_overhead; one Python dispatch "
+                             "and one saved-tensor hook call, hardware.dispatch_call_time and hook_call_time; the "
+                             "disk tier's bandwidth, hardware.disk_bandwidth; real devices only")
     parser.add_argument("--compile", default=None, metavar="BACKEND",
                         help="profile the model with every block compiled by this torch.compile backend (inductor, "
                              "aot_eager): what each compiled block saves and its times, for keep and full recompute "

@@ -34,12 +34,12 @@ from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
 from profiler.tracing import fresh_code, with_code
-from search import Action
 
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
-from ._resolve import LayerMode, decide
+from ._resolve import LayerMode
 from ._selective import swaps_inside
+from ._swap_scopes import whole_swap_prefetch
 
 __all__ = ["CompiledBlocks"]
 
@@ -75,15 +75,10 @@ class CompiledBlocks:
         swapped too (what its compiled block saves is that input: Note: [swapped checkpoint input])."""
         ctx = self.ctx
         out = dict(ctx.res.input_swaps)
-        for i, mode in enumerate(ctx.res.modes):
-            if mode is not LayerMode.SWAP:
-                continue
-            path = ctx.res.layers.layer_path(i)
-            cover = decide(ctx.plan, path)
-            inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
-            if cover.action is Action.SWAP and all(
-                    d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
-                out[i] = cover.backward_prefetch
+        for i in range(ctx.num_layers):
+            prefetch = whole_swap_prefetch(ctx, i)
+            if prefetch is not None:
+                out[i] = prefetch
         return out
 
     def track(self, layer: int | None, handle: Any, *, on_layer: bool = False) -> None:

@@ -10,6 +10,7 @@ the offload copy of the same tensor (Note: [reload after offload]).
 
 from __future__ import annotations
 
+import _thread
 import queue
 import threading
 import time
@@ -20,6 +21,33 @@ import torch
 __all__ = ["Copy", "Copier", "ThreadCopier", "StreamCopier", "make_copier"]
 
 
+class Landed:
+    """Set once a copy's bytes have landed: ``threading.Event``'s ``set`` / ``is_set`` / ``wait`` on one raw lock,
+    held until set (no Python-level condition per copy)."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = _thread.allocate_lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if self._lock.locked():
+            self._lock.release()
+
+    def is_set(self) -> bool:
+        return not self._lock.locked()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until set or ``timeout`` seconds passed; whether it is set."""
+        if not self._lock.locked():
+            return True
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            return False
+        self._lock.release()
+        return True
+
+
 class Copy:
     """One submitted copy; ``on_done`` runs once the bytes have landed."""
 
@@ -28,7 +56,7 @@ class Copy:
     def __init__(self, fn: Callable[[], None], on_done: Callable[[], None] | None) -> None:
         self.fn = fn
         self.on_done = on_done
-        self.landed = threading.Event()
+        self.landed = Landed()
         self.finished = False
         self.error: BaseException | None = None
         self.event: Any = None
@@ -60,7 +88,7 @@ class Copier:
 
 class ThreadCopier(Copier):
     def __init__(self) -> None:
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
     def submit(self, fn: Callable[[bool], None], on_done: Callable[[], None] | None = None) -> Copy:
@@ -135,13 +163,14 @@ class StreamCopier(Copier):
             self.reap()
 
     def reap(self) -> None:
-        still = []
-        for copy in self._inflight:
-            if copy.event.query():
-                self._finish(copy)
-            else:
-                still.append(copy)
-        self._inflight = still
+        """Finish the landed copies: one stream runs them in issue order, so the first one still running ends it."""
+        inflight = self._inflight
+        done = 0
+        while done < len(inflight) and inflight[done].event.query():
+            self._finish(inflight[done])
+            done += 1
+        if done:
+            del inflight[:done]
 
     def _finish(self, copy: Copy) -> None:
         if copy.on_done is not None:

@@ -93,6 +93,7 @@ class Executor:
         self.blocks = CompiledBlocks(ctx, self.swaps, self.selective.states,  # Note: [swap around compiled blocks]
                                      on_wrap=lambda: self.copies.install())
         self.copies = CopyGuard(model, handles=ctx.handles, forwards=ctx.forwards, attrs=self.blocks.attrs)
+        self.selective.on_hooks = lambda: self.copies.install()  # hooks of Note: [recompute at pack], at first call
         self._layouts: dict[int, bool] = {}
         self._leave_ids: dict[int, int] = {}
         self.graph = GraphPlan(ctx, self.blocks.op_swap) if engine is not None else None
@@ -107,8 +108,10 @@ class Executor:
         ctx = self.ctx
         self._install_forwards()
         sac = self.selective.states
-        if ctx.res.swap_outside_sac or sac:
-            self._install_namer_hooks([ctx.model] if ctx.res.swap_outside_sac else [ctx.layers[i] for i in sac])
+        named = [ctx.layers[i] for i, state in sac.items() if state.hooked]  # the others: Note: [SAC table]
+        if ctx.res.swap_outside_sac or named:
+            roots = self.swaps.named_roots() if ctx.res.swap_outside_sac else []  # Note: [swap scopes]
+            self._install_namer_hooks(roots + named)
         if ctx.engine is not None:
             self.swaps.install(self.blocks.track)
         self.copies.install()
@@ -173,6 +176,7 @@ class Executor:
     def _forward_begins(self) -> None:
         """An outermost planned forward with swaps begins (after the engine's ``begin_forward``)."""
         self.blocks.sync()
+        self.swaps.scoped = not self.blocks.attrs  # Note: [swap scopes]
 
     # ================================================================== namer hooks
     def _enter(self, module: nn.Module, args: Any) -> None:

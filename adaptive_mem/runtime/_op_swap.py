@@ -1,8 +1,21 @@
 """Swaps outside checkpointed layers, for the :class:`~adaptive_mem.runtime._executor.Executor`: a dispatch mode
 (:class:`_Tracker`) records the unit that produced each storage, and saved-tensor hooks offload the saved tensors
-whose producer is a swap unit through the :class:`SwapEngine`. Hooks on the model and on each layer push those
-hooks around the model's forward and trigger prefetches in backward (a tensor hook on each layer's output, and on
-the model's output). Everything here runs outside dynamo (Note: [compile honoured] in ``_op_level.py``).
+whose producer is a swap unit through the :class:`SwapEngine`. Hooks on the modules that hold swap units push
+those hooks around their calls (Note: [swap scopes]); hooks on the model and on each layer begin and end a
+forward and trigger prefetches in backward (a tensor hook on each layer's output, and on the model's output).
+Everything here runs outside dynamo (Note: [compile honoured] in ``_op_level.py``).
+
+Note: [swap scopes]. The tracker and the saved-tensor hooks exist only where a swap decision needs them: inside
+the calls of the *scope modules*, for each swap target the module it names (an op unit: the module that runs the
+op; a container that is never called: each of its modules), outermost first. The tracker leaves with the scope.
+A scope that returns a storage a swap unit produced keeps the saved-tensor hooks entered (a later op may save it)
+up to the end of the first layer call that does not return it (its locals die with the call: a layer's output
+is saved by the next layer at the latest), or of the forward. A layer swapped as a whole needs no tracker: what
+its call saves is its units' but its inputs', its parameters' and buffers' (the rule of the compiled blocks,
+Note: [swap around compiled blocks]), and its outputs are recorded as its units'. So a plan deciding one unit
+costs a dispatch call per op of its scope module and a pack call per tensor saved there, never one per op of the
+model (tests/test_footprint_swap.py). While compiled blocks are wrapped the hooks and the tracker cover the whole
+forward, as those blocks expect.
 """
 
 from __future__ import annotations
@@ -20,10 +33,12 @@ from profiler.naming import is_compile_wrapper
 from profiler.tracing import with_code
 from search import Action
 
+from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
-from ._swap_engine import Packed, backs_parameter, local_shard, no_cycle
+from ._swap_engine import Packed, local_shard, no_cycle, parameter_storages
+from ._swap_scopes import outputs, scope_modules, storage_keys, whole_layers
 
 __all__ = ["OpSwaps"]
 
@@ -36,6 +51,7 @@ class _Tracker(TorchDispatchMode):
         self.swaps = swaps
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
         out = func(*args, **(kwargs or {}))
         swaps = self.swaps
         if swaps.ctx.opaque or swaps.quiet_layer:
@@ -43,12 +59,14 @@ class _Tracker(TorchDispatchMode):
         unit = swaps.ctx.namer.name(func, args)
         if unit is None:
             return out
-        info = swaps.swap_info(unit)
+        fixed = swaps.fixed  # a layer swapped as a whole: every unit of it (Note: [swap scopes])
+        info = fixed if fixed is not None else swaps.swap_info(unit)
         if info is not None:
+            label = unit if fixed is None else fixed[2]
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
-                    swaps.producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
+                    swaps.producer[st._cdata] = (weakref.ref(st), label, info[0], info[1])
         return out
 
 
@@ -69,6 +87,27 @@ class OpSwaps:
         self.pushed: list[tuple[Any, ...] | None] = []
         self.graph_mode = is_compile_wrapper(ctx.model)
         """The model is ``torch.compile``'s wrapper: its graphs swap (Note: [partitioner hook]); no root hooks."""
+        self.scopes = scope_modules(ctx) if ctx.res.swap_outside_sac and not self.graph_mode else []
+        """The modules inside whose calls swap units run (Note: [swap scopes])."""
+        self.scoped = True
+        """The hooks enter with the scopes; False while compiled blocks are wrapped (the whole forward)."""
+        self.entered: list[nn.Module] = []  # the scope calls under way that entered the hooks
+        self.hooks: Any = None  # the saved-tensor hooks a scope entered, while entered
+        self.tracker: Any = None  # the tracker a scope entered, while entered
+        self.params: dict[int, set[int]] = {}  # layer index -> its parameter and buffer storages (:meth:`_frozen`)
+        self.whole = {id(m): info for m, info in whole_layers(ctx, self.scopes)}
+        """id of a scope that is a layer swapped as a whole -> (layer index, backward prefetch, layer path)."""
+        self.fixed: tuple[int, int, str] | None = None  # inside such a layer's call, tracked: its ``whole`` entry
+        self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
+        self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
+        self.escaped: list[Any] = []  # weak swap storages that left a scope in its outputs, while the hooks stay
+
+    def named_roots(self) -> list[nn.Module]:
+        """The modules whose calls the unit namer follows (under them the tracker names ops): the scopes but the
+        layers swapped as a whole, whose ops need no name (Note: [swap scopes])."""
+        if self.graph_mode or not self.scopes:
+            return [self.ctx.model]
+        return [m for m in self.scopes if id(m) not in self.whole]
 
     def install(self, track: Callable[..., None]) -> None:
         """The hooks on the model and its layers, and the model's forward outside dynamo; ``track(layer, handle,
@@ -83,6 +122,12 @@ class OpSwaps:
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
                 ctx.handles.append(handle)
                 track(i, handle, on_layer=True)
+        owner = {id(m): i for i, layer in enumerate(ctx.layers) for m in layer.modules()}
+        for module in self.scopes:
+            for handle in (module.register_forward_pre_hook(self._scope_pre, prepend=True, with_kwargs=True),
+                           module.register_forward_hook(self._scope_post, always_call=True)):
+                ctx.handles.append(handle)
+                track(owner.get(id(module)), handle)
         if self.graph_mode:
             model = model._orig_mod
         had = "forward" in model.__dict__
@@ -92,6 +137,7 @@ class OpSwaps:
     def close(self) -> None:
         while self.pushed:
             self.pop()
+        self._leave_scope(keep_hooks=False)
         if self.ctx.engine is not None:
             self.ctx.engine.close()
         self.producer.clear()
@@ -101,11 +147,14 @@ class OpSwaps:
         if not self.pushed:
             self.ctx.engine.begin_forward()
             self.producer.clear()
+            self.params.clear()
             self.last_layer = None
             self.on_forward()
         self.push()
 
     def _root_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if len(self.pushed) == 1:
+            self._leave_scope(keep_hooks=False)
         self.pop()
         if self.pushed:
             return
@@ -115,17 +164,100 @@ class OpSwaps:
 
     def _layer_pre(self, i: int, module: nn.Module, args: Any) -> None:
         self.last_layer = i
+        self.params.pop(i, None)
         self.quiet_layer = i not in self.swap_layers
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
         self.quiet_layer = False
+        self._release(output)
         self.on_grad_of(output, i)
+
+    def _scope_pre(self, module: nn.Module, args: Any, kwargs: dict) -> None:
+        """A scope module's call begins: the saved-tensor hooks enter, and the tracker, but in a layer swapped as a
+        whole (Note: [swap scopes]). Called in the planned forward, outside dynamo already; skipped while dynamo
+        traces it."""
+        if torch.compiler.is_compiling() or not self.pushed or self.pushed[-1] is None:
+            return
+        if self.entered or self.ctx.opaque:
+            if self.entered:
+                self.entered.append(module)
+            return
+        self.entered.append(module)
+        whole = self.whole.get(id(module))
+        if not self.scoped:  # the whole forward's hooks and tracker are entered already
+            self.fixed = whole
+            return
+        if self.hooks is None:
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.hooks.__enter__()
+        if whole is not None:
+            self.bare = whole
+            self.inputs = storage_keys((args, kwargs))
+            return
+        self.tracker = _Tracker(self)
+        self.tracker.__enter__()
+
+    def _scope_post(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.entered or self.entered[-1] is not module or torch.compiler.is_compiling():
+            return
+        self.entered.pop()
+        if self.entered:
+            return
+        bare = self.bare
+        if bare is not None:  # the layer's outputs are its units' (the tracker would have seen them made)
+            for t in tree_flatten(outputs(output))[0]:
+                if isinstance(t, torch.Tensor):
+                    st = local_shard(t).untyped_storage()
+                    if st._cdata not in self.inputs:
+                        self.producer[st._cdata] = (weakref.ref(st), bare[2], bare[0], bare[1])
+        self.escaped.extend(self._escaping(output))
+        self._leave_scope(keep_hooks=True)
+        self._release()
+
+    def _leave_scope(self, *, keep_hooks: bool) -> None:
+        """The outermost scope call ends: the tracker leaves; the hooks too unless ``keep_hooks``."""
+        self.entered.clear()
+        self.fixed = self.bare = None
+        self.inputs = frozenset()
+        if self.tracker is not None:
+            tracker, self.tracker = self.tracker, None
+            tracker.__exit__(None, None, None)
+        if self.hooks is not None and not keep_hooks:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+            self.escaped.clear()
+
+    def _escaping(self, output: Any) -> list[Any]:
+        """Weak references to the storages in ``output`` that a swap unit produced (a later op may save them)."""
+        producer = self.producer
+        if not producer:
+            return []
+        out = []
+        for t in tree_flatten(outputs(output))[0]:
+            if isinstance(t, torch.Tensor):
+                st = local_shard(t).untyped_storage()
+                info = producer.get(st._cdata)
+                if info is not None and info[0]() is st:
+                    out.append(info[0])
+        return out
+
+    def _release(self, layer_output: Any = None) -> None:
+        """Out of every scope, the saved-tensor hooks leave once no storage escaped a scope (Note: [swap scopes]);
+        at a layer's end (``layer_output``), escaped storages it does not return are taken as dead."""
+        if self.hooks is None or self.entered:
+            return
+        if layer_output is not None and self.escaped:
+            returned = storage_keys(outputs(layer_output))
+            self.escaped = [ref for ref in self.escaped if (st := ref()) is not None and st._cdata in returned]
+        if not self.escaped:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
 
     def on_grad_of(self, output: Any, index: int) -> None:
         """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger."""
         if not torch.is_grad_enabled():
             return
-        t = next((x for x in tree_flatten(_outputs(output))[0]
+        t = next((x for x in tree_flatten(outputs(output))[0]
                   if isinstance(x, torch.Tensor) and x.requires_grad), None)
         if t is not None:
             engine = self.ctx.engine
@@ -146,31 +278,56 @@ class OpSwaps:
         return outside, info[1]
 
     def pack(self, t: torch.Tensor) -> Any:
-        ctx = self.ctx
+        FOOTPRINT.pack += 1
         t = no_cycle(t)
-        if not self.producer or isinstance(t, nn.Parameter):
+        if isinstance(t, nn.Parameter):
+            return t
+        bare = self.bare
+        local = local_shard(t)
+        # in a layer swapped as a whole, untracked (Note: [swap scopes]): plain tensors and DTensors' shards; another
+        # subclass (a collective's async wrapper) is kept, as the tracker never names its wrapper storage
+        if bare is not None and not self.ctx.opaque and type(local) is torch.Tensor:
+            key = local.untyped_storage()._cdata
+            if key not in self.inputs:
+                if key in self._frozen(bare[0]):
+                    return t
+                return self.ctx.engine.offload(t, label=bare[2], layer=bare[0], prefetch=bare[1])
+        producer = self.producer
+        if not producer:
             return t
         st = local_shard(t).untyped_storage()
-        info = self.producer.get(st._cdata)
-        if info is None or info[0]() is not st:
-            return t
-        owner = ctx.layers[info[2]] if 0 <= info[2] < ctx.num_layers else ctx.model
-        if backs_parameter(st, owner):  # Note: [parameter storages are never swapped] in _swap_engine.py
-            return t
-        return ctx.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
+        key = st._cdata
+        info = producer.get(key)
+        if info is None or info[0]() is not st or key in self._frozen(info[2]):
+            return t  # Note: [parameter storages are never swapped] in _swap_engine.py
+        return self.ctx.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
+
+    def _frozen(self, layer: int) -> set[int]:
+        """The storages behind the current parameters and buffers of layer ``layer`` (the model's outside the
+        layers), found once per call of the layer (once per forward outside it): FSDP2 sets gathered parameters
+        before the layer's forward."""
+        found = self.params.get(layer)
+        if found is None:
+            ctx = self.ctx
+            owner = ctx.layers[layer] if 0 <= layer < ctx.num_layers else ctx.model
+            found = self.params[layer] = parameter_storages(owner) | {b.untyped_storage()._cdata
+                                                                      for b in owner.buffers()}
+        return found
 
     @staticmethod
     def unpack(x: Any) -> Any:
+        FOOTPRINT.unpack += 1
         return x.unpack() if isinstance(x, Packed) else x
 
     def push(self) -> None:
         if not torch.is_grad_enabled():
             self.pushed.append(None)
             return
-        entry: tuple[Any, ...] = (torch.compiler.set_stance("force_eager"),  # Note: [compile honoured]
-                                  torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack))
-        if self.ctx.res.swap_outside_sac:
-            entry += (_Tracker(self),)
+        entry: tuple[Any, ...] = (torch.compiler.set_stance("force_eager"),)  # Note: [compile honoured]
+        if not self.scoped or not self.scopes:  # the whole forward (Note: [swap scopes])
+            entry += (torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),)
+            if self.ctx.res.swap_outside_sac:
+                entry += (_Tracker(self),)
         for ctx in entry:
             ctx.__enter__()
         self.pushed.append(entry)
@@ -194,9 +351,3 @@ def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
             return forward(*args, **kwargs)
         return eager(*args, **kwargs)
     return functools.wraps(forward)(with_code(planned_forward))
-
-
-def _outputs(output: Any) -> Any:
-    if hasattr(output, "to_tuple"):
-        return output.to_tuple()
-    return output

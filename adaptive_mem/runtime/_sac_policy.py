@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -40,9 +40,11 @@ from torch.utils.checkpoint import CheckpointPolicy
 from profiler.naming import OpCounter, UnitNamer
 from profiler.tracing import install_fake_fallbacks
 
+from ._footprint import FOOTPRINT
 from ._swap_engine import no_cycle
 
-__all__ = ["LayerTrace", "OpCounter", "SacPolicy", "trace_layer"]
+__all__ = ["LayerTrace", "OpCounter", "SacPolicy", "TablePolicy", "is_dtensor", "region_path", "trace_layer",
+           "under"]
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,21 @@ class LayerTrace:
     """Unit -> units of the same call that read its outputs."""
     mutated_ops: set[tuple[str, int]] = field(default_factory=set)
     """Ops whose output storage an in-place op of the same call writes: SAC cannot cache them."""
+    reads: dict[str, set[int]] = field(default_factory=dict)
+    """Unit -> the storages its ops read (ids, unique for the pass)."""
+    producers: dict[int, str] = field(default_factory=dict)
+    """Storage -> the unit whose op allocated it; storages of the call's inputs and parameters have none."""
+    mutated: set[int] = field(default_factory=set)
+    """Storages an in-place op of the call writes."""
+    ops: list[tuple[str, int]] = field(default_factory=list)
+    """The keys of the call's ops, in order."""
+    saved: set[int] = field(default_factory=set)
+    """Storages autograd saves."""
+    random: set[str] = field(default_factory=set)
+    """Units running an op that draws random numbers."""
+    self_saved: set[str] = field(default_factory=set)
+    """Units one of whose ops saves a tensor the unit produced, as far as the pass tells (Note: [recompute at
+    pack] in ``_pack_recompute.py``): a unit whose last op saves its input also counts."""
 
 
 def _storages(out: Any) -> list[int]:
@@ -71,19 +88,27 @@ class _Recorder(TorchDispatchMode):
         self.producer: dict[int, str] = {}
         self.outputs: dict[tuple[str, int], list[int]] = {}
         self.mutated: set[int] = set()
+        self.first: dict[int, str] = {}
         self.keep: list[Any] = []  # storage ids must stay unique while the pass runs
+        self.last: str | None = None
+        """The unit of the op dispatched last (None: an op of no unit)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         key = self.counter.op_key(func, args)
+        self.last = None
         out = func(*args, **kwargs)
         if key is None:
             return out
-        unit = key[0]
+        unit = self.last = key[0]
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.trace.random.add(unit)
         if unit not in self.trace.consumers:
             self.trace.units.append(unit)
             self.trace.consumers[unit] = set()
+        reads = self.trace.reads.setdefault(unit, set())
         for cdata in _storages((args, kwargs)):
+            reads.add(cdata)
             producer = self.producer.get(cdata)
             if producer is not None and producer != unit:
                 self.trace.consumers[producer].add(unit)
@@ -96,6 +121,7 @@ class _Recorder(TorchDispatchMode):
         self.outputs[key] = cdatas
         for cdata in cdatas:
             self.producer[cdata] = unit
+            self.first.setdefault(cdata, unit)
         return out
 
 
@@ -107,7 +133,7 @@ class _RealPass(Exception):
     """The layer is traced on real tensors at once."""
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> bool:
     return type(t).__name__ == "DTensor" or type(getattr(t, "data", None)).__name__ == "DTensor"
 
 
@@ -134,6 +160,8 @@ def trace_layer(layer: nn.Module, forward: Callable[..., Any], counter: OpCounte
     trace = recorder.trace
     trace.saved_ops = {key for key, cdatas in recorder.outputs.items() if any(c in saved for c in cdatas)}
     trace.mutated_ops = {key for key, cdatas in recorder.outputs.items() if any(c in recorder.mutated for c in cdatas)}
+    trace.producers, trace.mutated, trace.ops = recorder.first, recorder.mutated, list(recorder.outputs)
+    trace.saved = saved
     return trace
 
 
@@ -144,7 +172,7 @@ def _fake_pass(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter
 
     from adaptive_mem.config._clone import fake_clone
 
-    if any(_is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
+    if any(is_dtensor(p) for p in layer.parameters()):  # Note: [tensor-parallel trace]
         raise _RealPass("DTensor parameters (tensor parallel)")
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     clone, originals = fake_clone(layer, fake)
@@ -179,12 +207,15 @@ def _run_on(layer: nn.Module, forward: Callable[..., Any], counter: OpCounter, c
 
     call = rebind(forward, layer, clone) or type(clone).forward.__get__(clone)
     saved: set[int] = set()
+    recorder = _Recorder(counter, LayerTrace())
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.add(t.untyped_storage()._cdata)
+        cdata = t.untyped_storage()._cdata
+        saved.add(cdata)
+        if recorder.last is not None and recorder.producer.get(cdata) == recorder.last:
+            recorder.trace.self_saved.add(recorder.last)
         return no_cycle(t)  # the clone's graph is dropped without backward
 
-    recorder = _Recorder(counter, LayerTrace())
     with _named_as_originals(counter.namer, clone, originals):
         counter.reset()
         with recorder, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
@@ -217,8 +248,45 @@ def _named_as_originals(namer: UnitNamer, clone: nn.Module, originals: dict[int,
             namer.labels.pop(key, None)
 
 
+def under(unit: str, path: str) -> bool:
+    """``unit`` is named inside the module at ``path``."""
+    return unit == path or unit.startswith(path + ".")
+
+
+def region_path(trace: LayerTrace, actions: dict[str, str], paths: Iterable[str]) -> str | None:
+    """Note: [narrowed select recompute]. A layer whose select recompute decides units of one module alone needs
+    no checkpoint of the whole layer: checkpointing that module (the innermost of ``paths``, the layer's modules,
+    holding every recomputed unit and every reader of its outputs: a reader outside would save the output, freeing
+    nothing) under the same policy frees and recomputes the same outputs, and the dispatch modes of the checkpoint,
+    its policy and its replay cover that module's ops only, not the layer's. The layer's other ops save what
+    autograd saves, as the layer's policy would have cached. The region's inputs must not be written in place by
+    the layer (the replay reads them in backward). None: no such module but the layer itself. The executor
+    checks at the region's first call that it runs once per layer call and runs the traced ops
+    (``SelectiveLayers._region_call``). Guarded by tests/test_footprint_sac.py."""
+    recomputed = [u for u in trace.units if actions.get(u) == "recompute"]
+    if not recomputed:
+        return None
+    paths = sorted(paths, key=len, reverse=True)
+    held = recomputed + [c for u in recomputed for c in trace.consumers.get(u, ())]
+    owners = [next((p for p in paths if under(u, p)), "") for u in held]
+    parts = owners[0].split(".")
+    for owner in owners[1:]:
+        other = owner.split(".")
+        n = next((k for k, (a, b) in enumerate(zip(parts, other)) if a != b), min(len(parts), len(other)))
+        parts = parts[:n]
+    path = ".".join(parts)
+    while path and path not in paths:
+        path = path.rpartition(".")[0]
+    if not path:
+        return None
+    inputs = {s for u in trace.units if under(u, path) for s in trace.reads.get(u, ())
+              if not under(trace.producers.get(s, ""), path)}
+    return None if inputs & trace.mutated else path
+
+
 class SacPolicy:
-    """The policy function of one layer; ``action(unit)`` gives the unit's resolved action."""
+    """The policy function of one layer call, naming each op; ``action(unit)`` gives the unit's resolved action.
+    It records what it answers (:attr:`funcs`, :attr:`policies`, :attr:`keys`): the table of :class:`TablePolicy`."""
 
     def __init__(self, counter: OpCounter, trace: LayerTrace, action: Callable[[str], str],
                  on_swap_output: Callable[[Any, str], None], cached: frozenset[str] = frozenset()) -> None:
@@ -231,9 +299,20 @@ class SacPolicy:
         self.on_swap_slot: Callable[[Any, int, str], None] | None = None
         self.storage: Any = None
         """The forward context's cache (set per forward): its slots name swaps without ``op_output``."""
+        self.funcs: list[Any] = []
+        self.policies: list[CheckpointPolicy] = []
+        self.keys: list[tuple[str, int] | None] = []
 
     def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        FOOTPRINT.dispatch += 1
         key = self.counter.op_key(func, args)
+        policy = self._decide(ctx, key, func)
+        self.funcs.append(func)
+        self.policies.append(policy)
+        self.keys.append(key)
+        return policy
+
+    def _decide(self, ctx: Any, key: tuple[str, int] | None, func: Any) -> CheckpointPolicy:
         if key is None:
             return CheckpointPolicy.PREFER_RECOMPUTE
         action = self.action(key[0])
@@ -249,3 +328,35 @@ class SacPolicy:
         if key in self.trace.saved_ops or key[0] in self.cached:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class TablePolicy:
+    """Note: [SAC table]. The policy of a checkpointed region's later calls: the answers :class:`SacPolicy` gave at
+    a learning call, by op index within the call, each checked against the op it was given for. No names, no
+    namer hooks: one index and one identity test per op. An op that is not the one learnt at its index (another
+    control flow, more or fewer ops) marks the call :attr:`diverged`: it and every later op of the call are
+    recomputed, which is exact whatever was cached before (only the memory and the time differ), and the region
+    learns again at its next call. Guarded by tests/test_footprint_sac.py."""
+
+    __slots__ = ("funcs", "policies", "i", "diverged")
+
+    def __init__(self, funcs: tuple[Any, ...], policies: tuple[CheckpointPolicy, ...]) -> None:
+        self.funcs = funcs
+        self.policies = policies
+        self.i = 0
+        self.diverged = False
+
+    def __call__(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        FOOTPRINT.dispatch += 1
+        i = self.i
+        self.i = i + 1
+        if not self.diverged and i < len(self.funcs) and self.funcs[i] is func:
+            return self.policies[i]
+        self.diverged = True
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    def finished(self) -> bool:
+        """The call ran exactly the ops learnt (else it counts as diverged)."""
+        if self.i != len(self.funcs):
+            self.diverged = True
+        return not self.diverged

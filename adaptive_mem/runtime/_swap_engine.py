@@ -43,23 +43,21 @@ from profiler import machinery_scope
 from profiler.tracing import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
+from ._footprint import FOOTPRINT
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
-__all__ = ["SwapEngine", "SwapStats", "Packed", "backs_parameter", "local_shard", "no_cycle", "parameter_storages"]
-
-
-def backs_parameter(storage: torch.UntypedStorage, module: Any) -> bool:
-    """Note: [parameter storages are never swapped]. FSDP2 gathers a layer's parameters into buffers that an op
-    of the layer call writes, so the tracker sees them produced by the layer; autograd then saves views of them
-    (``linear`` saves its weight). FSDP frees those buffers after the layer's forward (``resize_(0)``): an
-    offload copying one would read freed memory. A storage behind any current parameter of ``module`` is kept
-    where it is (tests/test_parallel_exec.py, FSDP2 swap cases)."""
-    return storage._cdata in parameter_storages(module)
+__all__ = ["SwapEngine", "SwapStats", "Packed", "local_shard", "no_cycle", "parameter_storages"]
 
 
 def parameter_storages(module: Any) -> set[int]:
-    """Keys (``_cdata``) of the storages behind ``module``'s current parameters."""
+    """Keys (``_cdata``) of the storages behind ``module``'s current parameters.
+
+    Note: [parameter storages are never swapped]. FSDP2 gathers a layer's parameters into buffers that an op
+    of the layer call writes, so the tracker sees them produced by the layer; autograd then saves views of them
+    (``linear`` saves its weight). FSDP frees those buffers after the layer's forward (``resize_(0)``): an
+    offload copying one would read freed memory. A storage behind any current parameter of the layer (of the
+    model, outside the layers) is kept where it is (tests/test_parallel_exec.py, FSDP2 swap cases)."""
     return {p.untyped_storage()._cdata for p in module.parameters()}
 
 
@@ -99,7 +97,6 @@ class _Record:
         self.h2d: Copy | None = None
         self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
         self.handles = 0
-        self.flat: torch.Tensor | None = None  # uint8 view of the whole storage, what the copy reads
         self.copying = False
         self.error: str | None = None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
@@ -112,15 +109,15 @@ class _Record:
         self.host = engine.pool.acquire(self.nbytes)
         if isinstance(engine.pool, TieredHostPool) and engine.pool.on_disk(self.host):
             engine.stats.spilled_bytes += self.nbytes
-        self.flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(self.src.untyped_storage())
 
         def copy(non_blocking: bool) -> None:
             with self.lock:  # Note: [cancelled offload]
-                flat, host = self.flat, self.host
-                if flat is None:
+                src, host = self.src, self.host
+                if src is None:
                     return
                 self.copying = True
-            try:
+            try:  # the copy reads a uint8 view of the whole storage, made where the copy runs
+                flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
                 engine.pool.write(host, flat, non_blocking=non_blocking)
             finally:
                 with self.lock:
@@ -131,7 +128,7 @@ class _Record:
                 if self.src is not None and self.src._version != self.version:
                     self.error = ("one of the variables needed for gradient computation has been modified by an "
                                   f"inplace operation (swapped activation of {self.label})")
-                self.src = self.flat = None
+                self.src = None
 
         self.d2h = engine.copier.submit(copy, landed)
         engine.stats.offloaded_bytes += self.nbytes
@@ -226,7 +223,7 @@ class _Record:
             return  # else the reload releases the host buffer when it lands
         with self.lock:
             running = self.copying
-            self.src = self.flat = None
+            self.src = None
         engine = self.engine
         if self.d2h is not None and not self.d2h.finished and (running or engine.copier.asynchronous_issue):
             engine.copier.sync(self.d2h)
@@ -386,5 +383,6 @@ class SwapEngine:
 
 
 def unpack_saved(x: Any) -> Any:
+    FOOTPRINT.unpack += 1
     return x.unpack() if isinstance(x, Packed) else x
 

@@ -1,0 +1,87 @@
+"""Where the op-level swap path intercepts: the scope modules of a plan's swap targets and the layers swapped as
+a whole among them (Note: [swap scopes] in ``_op_swap.py``), found once at install."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from profiler.naming import named_modules
+from search import Action
+
+from ._plan_context import PlanContext
+from ._resolve import LayerMode, decide
+from ._swap_engine import local_shard
+
+__all__ = ["outputs", "scope_modules", "storage_keys", "whole_layers", "whole_swap_prefetch"]
+
+
+def scope_modules(ctx: PlanContext) -> list[nn.Module]:
+    """The scope modules of the plan's swap targets outside selective layers, outermost only (Note: [swap
+    scopes]): the module a target names, or the one running its op unit; a container's called modules."""
+    modules = dict(named_modules(ctx.model))
+    paths = [ctx.res.layers.layer_path(i) for i in range(ctx.num_layers)] if ctx.res.layers is not None else []
+    found: dict[str, nn.Module] = {}
+    for target, decision in ctx.plan.decisions.items():
+        if decision.action is not Action.SWAP:
+            continue
+        owner = next((i for i, p in enumerate(paths) if target == p or target.startswith(p + ".")), None)
+        if owner is not None and ctx.res.modes[owner] is not LayerMode.SWAP:
+            continue  # a selective layer swaps through its own policy
+        path = target
+        while path and path not in modules:
+            path = path.rpartition(".")[0]
+        found.update(_called(path, modules.get(path, ctx.model)))
+    return [m for p, m in found.items() if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)]
+
+
+def whole_layers(ctx: PlanContext, scopes: list[nn.Module]) -> list[tuple[nn.Module, tuple[int, int, str]]]:
+    """The scopes that are layers swapped as a whole, with their (layer index, backward prefetch, layer path)."""
+    out = []
+    index = {id(layer): i for i, layer in enumerate(ctx.layers)}
+    for module in scopes:
+        i = index.get(id(module))
+        prefetch = None if i is None else whole_swap_prefetch(ctx, i)
+        if prefetch is not None:
+            out.append((module, (i, prefetch, ctx.res.layers.layer_path(i))))
+    return out
+
+
+def whole_swap_prefetch(ctx: PlanContext, i: int) -> int | None:
+    """The backward prefetch of layer ``i`` when the plan swaps it as a whole (every unit swapped with one
+    backward prefetch), else None."""
+    if ctx.res.modes[i] is not LayerMode.SWAP:
+        return None
+    path = ctx.res.layers.layer_path(i)
+    cover = decide(ctx.plan, path)
+    inner = [d for t, d in ctx.plan.decisions.items() if t.startswith(path + ".")]
+    if cover.action is Action.SWAP and all(
+            d.action is Action.SWAP and d.backward_prefetch == cover.backward_prefetch for d in inner):
+        return cover.backward_prefetch
+    return None
+
+
+def _called(path: str, module: nn.Module) -> dict[str, nn.Module]:
+    """``module``, or for a container that is never called (``ModuleList``, ``ModuleDict``) its called modules."""
+    if not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+        return {path: module}
+    out: dict[str, nn.Module] = {}
+    for name, child in module.named_children():
+        out.update(_called(f"{path}.{name}" if path else name, child))
+    return out
+
+
+def storage_keys(tree: Any) -> frozenset[int]:
+    """The keys (``_cdata``) of the storages of the tensors in ``tree`` (a DTensor's: its local shard's)."""
+    return frozenset(local_shard(t).untyped_storage()._cdata for t in tree_flatten(tree)[0]
+                     if isinstance(t, torch.Tensor))
+
+
+def outputs(output: Any) -> Any:
+    """A module's output as a pytree (a ``ModelOutput``'s tuple)."""
+    if hasattr(output, "to_tuple"):
+        return output.to_tuple()
+    return output

@@ -1,0 +1,287 @@
+"""The machinery at small step times: what a plan costs beyond its copies and recomputes, measured and predicted.
+
+    python benchmarks/bench_machinery.py [--quick] [--rounds 8] [--device cpu|cuda] [--models llama-tiny,hf:llama]
+                                         [--calibrate] [--json FILE]
+
+One model at batch 8 x seq 128 (llama-tiny's layer forward is ~2 ms on one CPU thread: the GPU regime's ratio of
+Python to kernels), one thread, SGD step included. Every plan runs on its own copy of the model (same weights),
+applied once; each round runs one step of every plan in turn (interleaved), and the table gives medians of the
+rounds. Rows: plain; an op-level swap of one unit; an op-level select recompute of one unit; 10 op-level swaps (the
+feed-forward units of layers 0-1 and two of layer 2: the plan ``search --maximize throughput`` picked at batch 8
+under 20 MiB); whole-layer swap and whole-layer recompute of layers 0-2 (of the first layers up to 3 on smaller
+models). Columns: the median step, its overhead over plain, the target and whether it is met, the simulator's
+prediction on the model's own profile (``--calibrate``: the profile after ``adaptive_mem.calibrate``) and its
+error, and the machinery's calls per step (``FOOTPRINT``: Python dispatch calls, pack hook calls).
+
+Targets: a one-unit op-level swap or select recompute at most +2 % over plain; the 10 swaps at most +3 %; the
+whole-layer swap at most plain + the measured copy time of its bytes (out and back) + 2 %; the whole-layer
+recompute at most plain + the recomputed layers' profiled forward + 2 %; every prediction within 10 %.
+On ``--device cuda`` the steps are timed between synchronizations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import logging
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from adaptive_mem import build_model, calibrate, optimize, profile_step
+from adaptive_mem.runtime._footprint import FOOTPRINT
+from search import Action, Decision, Plan, machinery_calls, maximize_throughput, simulate
+
+BATCH, SEQ = 8, 128
+
+
+@dataclass
+class Row:
+    name: str
+    plan: Plan
+    target: str  # "plain", "+2%", "+3%", "copy", "forward"
+    layers: tuple[int, ...] = ()
+    times: list[float] = field(default_factory=list)
+    calls: dict[str, int] = field(default_factory=dict)
+    swapped: int = 0
+
+
+def _swap(prefetch: int = 1) -> Decision:
+    return Decision(Action.SWAP, backward_prefetch=prefetch)
+
+
+def _unit(profile: Any, layer: int, suffixes: tuple[str, ...]) -> str:
+    names = [u.name for u in profile.layer_units(layer)]
+    for suffix in suffixes:
+        hit = [n for n in names if n.endswith(suffix)]
+        if hit:
+            return hit[0]
+    raise ValueError(f"layer {layer}: no unit ending in any of {suffixes}")
+
+
+_W1 = (".feed_forward.w1.matmul", ".mlp.gate_proj.matmul", ".mlp.c_fc.matmul")
+_MUL = (".feed_forward.mul", ".mlp.mul")
+
+
+def _ffn_units(profile: Any, layer: int) -> list[str]:
+    """The feed-forward units of ``layer`` in forward order (w1, its activation, w3, mul: or the HF names)."""
+    prefix = f"{profile.layer_path(layer)}."
+    units = [u.name for u in profile.layer_units(layer) if u.saved_bytes > 0]
+    return [n for n in units if n.startswith(prefix) and (".feed_forward." in n or ".mlp." in n)
+            and not n.endswith(("w2.matmul", "down_proj.matmul"))]
+
+
+def rows_for(profile: Any) -> list[Row]:
+    n = profile.num_layers
+    whole = tuple(range(min(3, n)))
+    ten = [u for i in range(min(3, n)) for u in _ffn_units(profile, i)][:10]
+    return [
+        Row("plain", Plan(), "plain"),
+        Row("op-level swap of one unit", Plan(decisions={_unit(profile, 0, _W1): _swap()}), "+2%"),
+        Row("op-level select recompute of one unit",
+            Plan(decisions={_unit(profile, 0, _MUL): Decision(Action.RECOMPUTE)}), "+2%"),
+        Row(f"{len(ten)} op-level swaps", Plan(decisions={u: _swap() for u in ten}), "+3%"),
+        Row(f"whole-layer swap of layers {whole[0]}-{whole[-1]}",
+            Plan(decisions={profile.layer_path(i): _swap() for i in whole}), "copy", whole),
+        Row(f"whole-layer recompute of layers {whole[0]}-{whole[-1]}",
+            Plan(decisions={profile.layer_path(i): Decision(Action.RECOMPUTE) for i in whole}), "forward", whole),
+    ]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _stepper(bundle: Any) -> Callable[[Any], None]:
+    opt = torch.optim.SGD(bundle.model.parameters(), lr=1e-3)
+
+    def step(batch: Any) -> None:
+        bundle.loss(batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _timed(step: Callable[[Any], None], batch: Any, device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    step(batch)
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def run_rows(bundle: Any, rows: list[Row], rounds: int, device: torch.device) -> None:
+    """Every row's plan applied to its own copy of ``bundle``'s model: :func:`run_variants`."""
+    run_variants([(row, bundle) for row in rows], rounds, device)
+
+
+def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.device) -> None:
+    """Each row's plan applied to its own copy of its bundle's model; ``rounds`` interleaved rounds of one step each,
+    after two warm-up steps; each row's calls per step and swapped bytes per step from its last step."""
+    runs = []
+    for row, bundle in variants:
+        copy_ = copy.copy(bundle)
+        copy_.model = copy.deepcopy(bundle.model)
+        handle = optimize(copy_.model, plan=row.plan) if row.plan.decisions else None
+        runs.append((row, _stepper(copy_), handle, [bundle.batch(seed=k) for k in range(rounds + 2)]))
+    try:
+        for k in range(rounds + 2):
+            for row, step, handle, batches in runs:
+                stats = handle.swap_stats if handle is not None else None
+                before = stats.offloaded_bytes if stats is not None else 0
+                FOOTPRINT.reset()
+                seconds = _timed(step, batches[k], device)
+                row.calls = FOOTPRINT.snapshot()
+                row.swapped = (stats.offloaded_bytes - before) if stats is not None else 0
+                if k >= 2:
+                    row.times.append(seconds)
+    finally:
+        for _, _, handle, _ in runs:
+            if handle is not None:
+                handle.remove()
+
+
+def throughput_check(rounds: int, device: torch.device, calibrated: bool, budget: str = "20MiB",
+                     batches: range = range(1, 17)) -> list[dict[str, Any]]:
+    """``search --maximize throughput`` on llama-tiny seq 128 under ``budget`` (every batch size profiled; with
+    ``calibrated`` the hardware calibrated at batch 8 in every profile), then each fitting batch size measured with
+    its plan (interleaved): is the picked batch's measured tokens/s within 5 % of the best measured?"""
+    bundles = {b: build_model("llama-tiny", batch_size=b, seq_len=SEQ, seed=0, device=str(device)) for b in batches}
+    profiles = {b: profile_step(bb, optimizer=torch.optim.SGD(bb.model.parameters(), lr=1e-3), warmup=1, repeat=3)
+                for b, bb in bundles.items()}
+    if calibrated:
+        hardware = calibrate(bundles[8], profiles[8]).hardware
+        profiles = {b: dataclasses.replace(p, hardware=hardware) for b, p in profiles.items()}
+    result = maximize_throughput(profiles=profiles, batch_sizes=list(batches), budget=budget)
+    fitting = [r for r in result.rows if r.fits]
+    rows = {r.batch_size: Row(f"batch {r.batch_size}", r.result.plan, "-") for r in fitting}
+    run_variants([(rows[b], bundles[b]) for b in rows], rounds, device)
+    measured = {b: b * SEQ / statistics.median(row.times) for b, row in rows.items()}
+    picked, best = result.best_row.batch_size, max(measured, key=measured.get)
+    print(f"\nmaximize throughput: llama-tiny seq {SEQ} under {budget} on {device.type}, "
+          f"{'calibrated' if calibrated else 'uncalibrated'} profiles")
+    print("| batch | decisions | predicted tokens/s | measured tokens/s | |")
+    print("|---|---|---|---|---|")
+    for r in fitting:
+        mark = " ".join(m for m, b in (("picked", picked), ("best measured", best)) if b == r.batch_size)
+        print(f"| {r.batch_size} | {len(r.result.plan.decisions)} | {r.tokens_per_second:,.0f} | "
+              f"{measured[r.batch_size]:,.0f} | {mark} |")
+    ratio = measured[picked] / measured[best]
+    print(f"picked batch {picked}: {ratio * 100:.1f} % of the best measured (batch {best}); target >= 95 %: "
+          f"{'met' if ratio >= 0.95 else 'not met'}")
+    return [{"batch": b, "decisions": sorted(rows[b].plan.decisions), "measured_tokens_per_s": measured[b],
+             "predicted_tokens_per_s": next(r.tokens_per_second for r in fitting if r.batch_size == b),
+             "picked": b == picked} for b in rows]
+
+
+def copy_seconds(nbytes: int, device: torch.device, repeats: int = 5) -> float:
+    """Median seconds to copy ``nbytes`` from the device to host memory and back (pinned on CUDA)."""
+    if nbytes <= 0:
+        return 0.0
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        host.copy_(src, non_blocking=True)
+        src.copy_(host, non_blocking=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _limit(row: Row, plain: float, profile: Any, device: torch.device) -> tuple[float | None, str]:
+    """The row's target step seconds and how it reads."""
+    if row.target == "plain":
+        return None, "-"
+    if row.target.startswith("+"):
+        pct = float(row.target[1:-1]) / 100
+        return plain * (1 + pct), f"<= {row.target}"
+    if row.target == "copy":
+        extra = copy_seconds(row.swapped, device)
+        return plain * 1.02 + extra, f"<= copy {extra * 1e3:.2f} ms + 2%"
+    extra = sum(u.fwd_time for i in row.layers for u in profile.layer_units(i))
+    return plain * 1.02 + extra, f"<= fwd {extra * 1e3:.2f} ms + 2%"
+
+
+def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> list[dict[str, Any]]:
+    plain = statistics.median(rows[0].times)
+    out = []
+    print(f"\n{spec} b{BATCH} s{SEQ} on {device.type} ({torch.get_num_threads()} thread(s)), "
+          f"medians of {len(rows[0].times)} interleaved rounds; per call: dispatch "
+          f"{profile.hardware.dispatch_call_time * 1e6:.2f} us, hook {profile.hardware.hook_call_time * 1e6:.2f} us")
+    print("| plan | step ms | vs plain | target | met | predicted ms | error | dispatch (model) | pack (model) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        step = statistics.median(row.times)
+        predicted = simulate(profile, row.plan).step_time
+        limit, reads = _limit(row, plain, profile, device)
+        met = "-" if limit is None else ("yes" if step <= limit else "no")
+        error = predicted / step - 1
+        over = step / plain - 1
+        model = machinery_calls(profile, row.plan)
+        print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {predicted * 1e3:.2f} | "
+              f"{error * 100:+.1f} % | {row.calls.get('dispatch', 0)} ({model.dispatch}) | "
+              f"{row.calls.get('pack', 0)} ({model.pack}) |")
+        out.append({"model": spec, "plan": row.name, "step_ms": step * 1e3, "vs_plain": over, "target": reads,
+                    "met": met, "predicted_ms": predicted * 1e3, "error": error, "calls": row.calls,
+                    "calls_model": {"dispatch": model.dispatch, "pack": model.pack, "unpack": model.unpack},
+                    "swapped_bytes": row.swapped, "times_ms": [t * 1e3 for t in row.times],
+                    "decisions": sorted(row.plan.decisions)})
+    return out
+
+
+def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool) -> list[dict[str, Any]]:
+    bundle = build_model(spec, batch_size=BATCH, seq_len=SEQ, seed=0, device=str(device))
+    opt = torch.optim.SGD(bundle.model.parameters(), lr=1e-3)
+    profile = profile_step(bundle, optimizer=opt, warmup=1, repeat=max(3, rounds // 2))
+    if calibrated:
+        profile = calibrate(bundle, profile)
+    rows = rows_for(profile)
+    run_rows(bundle, rows, rounds, device)
+    return table(spec, rows, profile, device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="3 rounds, llama-tiny only")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--models", default="llama-tiny,hf:llama")
+    parser.add_argument("--calibrate", action="store_true", help="predict on the calibrated profile")
+    parser.add_argument("--throughput", action="store_true",
+                        help="also search --maximize throughput on llama-tiny seq 128 under 20 MiB and measure")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    logging.getLogger("adaptive_mem").setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rounds, models = (3, ["llama-tiny"]) if args.quick else (args.rounds, args.models.split(","))
+    results = []
+    for spec in models:
+        results += run_model(spec, rounds, device, args.calibrate)
+    throughput = throughput_check(rounds, device, args.calibrate) if args.throughput else []
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": _device_name(device), "threads": args.threads, "rounds": rounds,
+                       "rows": results, "throughput": throughput}, f, indent=1)
+    return 0
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.__version__})"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
