@@ -220,3 +220,23 @@ def test_a_copy_after_the_first_step_carries_no_hook():
         seeded_step(bundle, batch)
         copy = deepcopy(bundle.model)
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in copy.modules())
+
+
+def _autocast_step(bundle, batch):
+    """Forward under bf16 autocast, backward outside it (the recompute must enter it again)."""
+    bundle.model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = bundle.loss(batch)
+    loss.backward()
+    return loss.detach().clone(), {n: p.grad.clone() for n, p in bundle.model.named_parameters()}
+
+
+@pytest.mark.parametrize("unit", [MUL, "layers.0.feed_forward.w1.activation.silu"])
+def test_module_units_recomputed_under_autocast_are_exact(unit: str):
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = _autocast_step(bundle, batch)
+    with optimize(bundle.model, plan=_plan({unit: "recompute"})) as handle:
+        for step in range(2):
+            assert_same_step(_autocast_step(bundle, batch), want, f"{unit} step {step}")
+        assert _states(handle)[0].packed
