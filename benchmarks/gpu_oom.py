@@ -48,12 +48,14 @@ def check_oom() -> dict:
     plain_peak, static = _peaks(bundle, batch)
     copies = sum(p.numel() * p.element_size() for p in bundle.model.parameters()) if RUN.device != "cuda" else 0
     out = RUN.results["oom"] = {"plain_peak_MiB": plain_peak / 2**20, "static_MiB": static / 2**20}
+    torch.use_deterministic_algorithms(True, warn_only=True)  # gradients compared bit for bit
     for share in (0.8, 0.6):
         cap = static + copies + int(share * (plain_peak - static))  # on a CPU smoke run the gradients' copies count
         try:
             out[f"cap {share:.0%}"] = _loop_under(bundle, batch, ref, cap)
         except BaseException as exc:
             out[f"cap {share:.0%}"] = {"cap_MiB": cap / 2**20, "error": f"{type(exc).__name__}: {exc}"[:800]}
+    torch.use_deterministic_algorithms(False)
     return out
 
 
