@@ -238,7 +238,8 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
               f"{row.calls.get('dispatch', 0)} ({model.dispatch}) | "
               f"{row.calls.get('pack', 0)} ({model.pack}) |")
         out.append({"model": spec, "plan": row.name, "step_ms": step * 1e3, "vs_plain": over, "target": reads,
-                    "met": met, "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative, "calls": row.calls,
+                    "met": met, "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative,
+                    "calls": row.calls,
                     "calls_model": {"dispatch": model.dispatch, "pack": model.pack, "unpack": model.unpack},
                     "swapped_bytes": row.swapped, "times_ms": [t * 1e3 for t in row.times],
                     "decisions": sorted(row.plan.decisions)})
