@@ -4,7 +4,6 @@ each kind of call site counts: the op-level swap's dispatch mode and pack/unpack
 from __future__ import annotations
 
 import pytest
-import torch
 
 from adaptive_mem import build_model, optimize
 from adaptive_mem.runtime._footprint import FOOTPRINT, Footprint
