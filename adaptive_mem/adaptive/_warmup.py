@@ -92,7 +92,8 @@ class BucketWarmup:
             log.info("adaptive memory: %s", describe_pending(state))
             self._apply(state.pending)
             state.pending = False
-            state.kind = "steady" if state.converged else "adapt"
+            if state.kind == "bucket":  # the step judges the bucket's plan; a cached plan's step stays "cached"
+                state.kind = "steady" if state.converged else "adapt"
             return
         cover = self.buckets.covering(shape)
         if cover is not None and cover.plan is not self.plan:

@@ -1,6 +1,7 @@
 """CUDA only: the allocator hook that keeps PyTorch's caching allocator.
 
-Note: [cuda hook unverified]. Written on a CPU-only machine: **never run on a GPU**. It replaces the
+Note: [cuda hook]. Run on an H200 (torch 2.11, benchmarks/README "GPU (lent H200)"): under a per-process memory
+fraction the adaptive loop's steps survive by its rescues (multi-GPU and real device-capacity OOMs not run). It replaces the
 former ``CUDAPluggableAllocator`` shim, which sent every allocation to ``cudaMalloc`` (no caching) and
 so cost far more than any plan saves. Nothing is compiled: two public pieces of PyTorch do the work.
 

@@ -11,7 +11,7 @@ The interface, :class:`OomHook`, is in ``_hook.py``; it has three back-ends:
   ``torch.OutOfMemoryError`` raised by an op, asks for the shortfall (parsed
   from the message when it says, else a doubling guess) and runs the op again.
   An op that failed to allocate has written nothing, so the retry is exact.
-* ``_cuda_allocator.CudaOomHook`` (CUDA builds only, NOT run on a GPU yet): PyTorch's caching
+* ``_cuda_allocator.CudaOomHook`` (CUDA builds only; run on an H200 under a memory fraction): PyTorch's caching
   allocator stays; its out-of-memory observer rescues before the error propagates and
   :class:`RetryOnOom` runs the op again.
 

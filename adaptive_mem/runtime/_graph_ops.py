@@ -12,7 +12,8 @@ Note: [host side of graph swaps]. On CPU, where host and device are one RAM, the
 inside :func:`host_allocations` (marked host, never counted as device memory by ``DeviceMemory``), so the
 bytes really leave the accounted memory, as the eager swap engine's host store does. On an accelerator the
 host copy is pinned and both copies run on one side stream: the forward's default stream goes on while the
-offload copies, and the backward's stream waits for a reload only at the reload (unverified on GPU).
+offload copies, and the backward's stream waits for a reload only at the reload (run on an H200, torch 2.11:
+exact per block, within 2.1e-9 of the compiled plain step whole-model; the overlap itself not measured there).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def offload(t: torch.Tensor, key: str) -> torch.Tensor:
         with host_allocations():
             host = torch.empty_like(t)  # the same strides (a dense tensor: Note: [graph swap placement])
         host.copy_(t)
-    else:  # unverified on GPU
+    else:  # an accelerator (run on an H200)
         host = torch.empty_like(t, device="cpu", pin_memory=True)
         stream = _side_stream(t.device)
         stream.wait_stream(torch.accelerator.current_stream(t.device))
@@ -125,7 +126,7 @@ def reload(host: torch.Tensor, key: str, device: torch.device, after: list[torch
     if device.type == "cpu":
         out = torch.empty_like(host)
         out.copy_(host)
-    else:  # unverified on GPU
+    else:  # an accelerator (run on an H200)
         out = torch.empty_like(host, device=device)
         stream = _side_stream(device)
         stream.wait_stream(torch.accelerator.current_stream(device))

@@ -16,6 +16,13 @@ Note: [swap around compiled blocks]), and its outputs are recorded as its units'
 costs a dispatch call per op of its scope module and a pack call per tensor saved there, never one per op of the
 model (tests/test_footprint_swap.py). While compiled blocks are wrapped the hooks and the tracker cover the whole
 forward, as those blocks expect.
+
+Note: [scope hooks chain outward]. A scope enters its saved-tensor hooks in the middle of the forward, inside
+the hooks pushed at the model's call, the SwapManager's among them (the adaptive loop's rescues). Saved-tensor
+hooks do not nest: the innermost alone packs. So what a scope saves and does not swap goes through the hooks it
+found entered (their pack now, their unpack in backward): else the manager would see nothing saved inside a scope
+and could swap none of it out in a rescue (tests/test_adaptive_cli.py: an hf llama step under a 6 MB budget
+died with nothing swappable).
 """
 
 from __future__ import annotations
@@ -70,6 +77,15 @@ class _Tracker(TorchDispatchMode):
         return out
 
 
+class _Outer:
+    """What the hooks entered before a scope's packed (Note: [scope hooks chain outward]), with their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], Any]) -> None:
+        self.packed, self.unpack = packed, unpack
+
+
 class OpSwaps:
     """The swap path of one plan: producers of swap storages, the pushed saved-tensor hooks, the prefetch triggers.
 
@@ -93,6 +109,8 @@ class OpSwaps:
         """The hooks enter with the scopes; False while compiled blocks are wrapped (the whole forward)."""
         self.entered: list[nn.Module] = []  # the scope calls under way that entered the hooks
         self.hooks: Any = None  # the saved-tensor hooks a scope entered, while entered
+        self.outer: tuple[Callable, Callable] | None = None  # the hooks entered before them (Note: [scope hooks
+        # chain outward])
         self.tracker: Any = None  # the tracker a scope entered, while entered
         self.params: dict[int, set[int]] = {}  # layer index -> its parameter and buffer storages (:meth:`_frozen`)
         self.whole = {id(m): info for m, info in whole_layers(ctx, self.scopes)}
@@ -188,6 +206,7 @@ class OpSwaps:
             self.fixed = whole
             return
         if self.hooks is None:
+            self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
             self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.hooks.__enter__()
         if whole is not None:
@@ -280,8 +299,16 @@ class OpSwaps:
     def pack(self, t: torch.Tensor) -> Any:
         FOOTPRINT.pack += 1
         t = no_cycle(t)
+        packed = self._swap(t)
+        if packed is not None:
+            return packed
+        outer = self.outer if self.hooks is not None else None
+        return t if outer is None else _Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
+
+    def _swap(self, t: torch.Tensor) -> Packed | None:
+        """``t`` offloaded where a swap unit (or a layer swapped as a whole) saves it, else None."""
         if isinstance(t, nn.Parameter):
-            return t
+            return None
         bare = self.bare
         local = local_shard(t)
         # in a layer swapped as a whole, untracked (Note: [swap scopes]): plain tensors and DTensors' shards; another
@@ -290,16 +317,16 @@ class OpSwaps:
             key = local.untyped_storage()._cdata
             if key not in self.inputs:
                 if key in self._frozen(bare[0]):
-                    return t
+                    return None
                 return self.ctx.engine.offload(t, label=bare[2], layer=bare[0], prefetch=bare[1])
         producer = self.producer
         if not producer:
-            return t
+            return None
         st = local_shard(t).untyped_storage()
         key = st._cdata
         info = producer.get(key)
         if info is None or info[0]() is not st or key in self._frozen(info[2]):
-            return t  # Note: [parameter storages are never swapped] in _swap_engine.py
+            return None  # Note: [parameter storages are never swapped] in _swap_engine.py
         return self.ctx.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
 
     def _frozen(self, layer: int) -> set[int]:
@@ -317,6 +344,8 @@ class OpSwaps:
     @staticmethod
     def unpack(x: Any) -> Any:
         FOOTPRINT.unpack += 1
+        if isinstance(x, _Outer):
+            return x.unpack(x.packed)
         return x.unpack() if isinstance(x, Packed) else x
 
     def push(self) -> None:
