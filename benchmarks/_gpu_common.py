@@ -73,7 +73,7 @@ def section(name: str) -> Callable:
             print(f"== {name}", flush=True)
             try:
                 RUN.results[name] = fn(*args)
-            except BaseException as exc:  # reported in the JSON, the other sections still run
+            except Exception as exc:  # reported in the JSON, the other sections still run
                 RUN.results[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
                 print(RUN.results[name]["traceback"], flush=True)
             RUN.results.setdefault(name, {})["seconds"] = round(time.perf_counter() - start, 1)

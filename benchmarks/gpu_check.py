@@ -61,7 +61,7 @@ def run_plans(spec: str, plans: dict[str, Plan], *, dtype: str, compile: Any = N
                 row["first_step"] = compare(got[0], ref, exact)["ok"]
                 row["offloaded_MiB"] = round(stats.offloaded_bytes / 2**20, 2) if stats else 0
                 row["copier"] = _copier_kind(handle)
-        except BaseException as exc:
+        except Exception as exc:
             row = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
         out[name] = row
     return out
@@ -101,7 +101,7 @@ def check_compiled() -> dict:
                 rows[name] = compare(got[-1], ref, exact=False)
                 stats = handle.swap_stats
                 rows[name]["offloaded_MiB"] = round(stats.offloaded_bytes / 2**20, 2) if stats else 0
-        except BaseException as exc:
+        except Exception as exc:
             rows[name] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:600]}
         finally:
             bundle.model = eager

@@ -53,7 +53,7 @@ def check_oom() -> dict:
         cap = static + copies + int(share * (plain_peak - static))  # on a CPU smoke run the gradients' copies count
         try:
             out[f"cap {share:.0%}"] = _loop_under(bundle, batch, ref, cap)
-        except BaseException as exc:
+        except Exception as exc:
             out[f"cap {share:.0%}"] = {"cap_MiB": cap / 2**20, "error": f"{type(exc).__name__}: {exc}"[:800]}
     torch.use_deterministic_algorithms(False)
     return out
@@ -88,7 +88,7 @@ def _loop_under(bundle, batch, ref, cap: int) -> dict:
                 rows.append({"step": step, "ok": row["ok"], "equal": row["equal"], "diff": row["max_abs_diff"],
                              "peak_MiB": _cuda("max_memory_allocated") / 2**20})
             out["summary"] = mem.summary()
-        except BaseException as exc:
+        except Exception as exc:
             out["error"] = f"{type(exc).__name__}: {exc}"[:600]
         manager = mem.manager
         groups = manager.groups()

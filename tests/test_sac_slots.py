@@ -27,11 +27,13 @@ pytestmark = pytest.mark.usefixtures("deterministic")
 _SAVE = (CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE)
 
 
-class _OldCaching(TorchDispatchMode):
+class _OldMode(TorchDispatchMode):
     def __init__(self, policy_fn, storage) -> None:
         super().__init__()
         self.policy_fn, self.storage = policy_fn, storage
 
+
+class _OldCaching(_OldMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in torch_checkpoint.SAC_IGNORED_OPS:
@@ -44,11 +46,7 @@ class _OldCaching(TorchDispatchMode):
         return out
 
 
-class _OldCached(TorchDispatchMode):
-    def __init__(self, policy_fn, storage) -> None:
-        super().__init__()
-        self.policy_fn, self.storage = policy_fn, storage
-
+class _OldCached(_OldMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in torch_checkpoint.SAC_IGNORED_OPS:
