@@ -109,6 +109,45 @@ def test_a_rescue_waits_on_the_host_for_its_copies():
         manager.close()
 
 
+def test_a_late_plan_offload_is_waited_for_not_rescued():
+    """Note: [late offloads are waited for]: an allocation over the budget while the applied plan's offload copy
+    is still queued waits for it to land (its storage is released then) and swaps nothing of its own; with no
+    copy in flight the same request is a rescue."""
+    import threading
+
+    from adaptive_mem.runtime._swap_engine import SwapEngine
+
+    b = bundle()
+    manager = SwapManager(b.model)
+    engine = SwapEngine(device="cpu", num_layers=1)
+    gate = threading.Event()
+    engine.copier.submit(lambda non_blocking: gate.wait(5.0))  # the copy thread is busy: the offload lags
+    with DeviceMemory(track_existing=False) as mem:
+        t = torch.randn(256, 256)
+        expected = t.clone()
+        nbytes = t.untyped_storage().nbytes()
+        packed = engine.offload(t, label="x", layer=0, prefetch=0)
+        del t  # the record's reference keeps the storage until its copy lands
+        cap = mem.live + nbytes // 2
+        manager.headroom = lambda: cap - mem.live
+        manager.engines = lambda: [engine]
+        threading.Timer(0.05, gate.set).start()
+        assert manager.rescue(nbytes // 2)
+        assert (manager.stats.waits, manager.stats.rescues) == (1, 0)
+        assert mem.live <= cap - nbytes // 2 and packed.record.d2h.landed.is_set()
+        assert torch.equal(packed.unpack(), expected)
+    manager.headroom = lambda: 0  # nothing in flight: waiting frees nothing, the request is rescued
+    manager.attach()
+    try:
+        loss = b.loss(b.batch(seed=0))
+        needed = max(g.nbytes for g in manager.groups())
+        assert manager.rescue(needed) and (manager.stats.waits, manager.stats.rescues) == (1, 1)
+        loss.backward()
+    finally:
+        manager.close()
+        engine.close()
+
+
 def test_make_hook_picks_the_device_path(caplog):
     assert isinstance(make_hook(lambda n: False, torch.device("cpu")), AccountedHook)
     caplog.set_level(logging.WARNING)

@@ -65,6 +65,8 @@ class ManagerStats:
     """Reloads started at unpack."""
     evicted: int = 0
     """Prefetched storages sent back to the host before use to make room."""
+    waits: int = 0
+    """Allocations the applied plan's late offloads made room for: waits, not rescues (Note: [late offloads...])."""
 
 
 class SwapManager:
@@ -285,6 +287,11 @@ class SwapManager:
         H200: 25 rescues of one storage each, then out of memory). Guarded by tests/test_oom.py."""
         if self._no_rescue or needed <= 0:
             return False
+        needed -= self._wait_for_offloads()
+        if needed <= 0:
+            self.stats.waits += 1
+            log.debug("rescue: the applied plan's offloads in flight made the room: no swap")
+            return True
         candidates = self.policy.candidates(self.groups())
         freed = 0
         with host_allocations():  # the copy bookkeeping aliases existing storages: no device bytes
@@ -310,6 +317,21 @@ class SwapManager:
         if freed < needed:
             self.stats.failed_rescues += 1
         return freed > 0
+
+    def _wait_for_offloads(self) -> int:
+        """Device bytes released by waiting for the applied plan's offload copies in flight.
+
+        Note: [late offloads are waited for]. A plan is searched as if each offload released its storage once its
+        copy ran; a copy landing late (a busy copy thread, a slow link) can put a step of a plan near the budget
+        over it by one storage for a moment. The allocation waits for those copies instead of a rescue, which
+        would swap what the plan keeps and reopen the adaptive loop's search. Where the free bytes cannot be read
+        (no ``headroom``) the copies are waited for after the rescue's swaps (``_drain``). Guarded by
+        tests/test_oom.py."""
+        before = self.headroom() if self.engines() else None
+        if before is None or not self._drain():
+            return 0
+        after = self.headroom()
+        return max(0, after - before) if after is not None else 0
 
     def _drain(self) -> bool:
         """Wait for offload copies still in flight (the applied plan's swaps): their device bytes are released
