@@ -21,15 +21,14 @@ exponent ``k`` in ``[0, 2]`` (``v ~ s^k``: 0 a constant such as a fixed table, 1
   stays: it does not grow with the work (llama-small, fake tensors, 512 to 2048 tokens: step time off by 6 %;
   llama-tiny, 32 to 128, where almost every op is that latency: off by 60 %, two references: 0 %).
 * The workspace beyond the saved bytes (the peak minus static memory without gradients minus saved bytes) is
-  the largest of its parts, each by its own law (Note: [workspace parts]): the gradients' share (constant in
-  the gradients, simulated at ``s``), the loss workspace (linear, or the power through two references that
-  show it) and one score op's output, the gradient of the scores a math attention's backward holds beside
-  the saved bytes (hf:gemma2 on CPU: the workspace is the logits' up to 256 tokens, 1 MB, and the scores'
-  gradients at 512, 10 MB). The
-  time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows a line
-  through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny, CPU) and
-  stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient accumulation,
-  parameter-sized) is the nearer reference's.
+  the largest of its parts, each by its own law (Note: [workspace parts]): the gradients' share (constant in the
+  gradients, simulated at ``s``), the loss workspace (linear, or the power through two references that show it)
+  and one score op's output, the gradient of the scores a math attention's backward holds beside the saved bytes
+  (hf:gemma2 on CPU: the workspace is the logits' up to 256 tokens, 1 MB, and the scores' gradients at 512,
+  10 MB). The time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows
+  a line through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny,
+  CPU) and stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient
+  accumulation, parameter-sized) is the nearer reference's.
 
 A scaled profile says so: ``model["extrapolated_from_seq_lens"]`` lists the lengths it was made from, and its
 fingerprint keeps only the structure half (as a batch-scaled one's). :func:`seq_scaling_error` checks the rule
@@ -37,18 +36,18 @@ against a third measured length.
 
 Note: [workspace parts] a measured peak is set either at the loss (all saved bytes held, plus the logits'
 gradients: activation bytes, growing with the length) or in backward, where the parameters' gradients are made
-while saved bytes are freed (a constant, the same at every length): llama-small batch 2 on CPU, 114 MiB of
-gradients, has a workspace of 25 MiB at 128 tokens (the gradients') and 16 MiB at 256 (the logits' twice), so the
-128-token one scaled linearly to 1024 was 199 MiB against 64 measured (peak +12 %; a qwen2 of width 256 from 32
-tokens: +117 %). The gradients' share is what the keep-all step simulated with no workspace (gradients by
-position, ``Profile.gradient_split``) holds beyond the saved bytes. The loss workspace is estimated from the ops:
-twice the largest output after the layers (the logits' gradient and the log-softmax's). A reference's workspace
-is its loss's where it exceeds the gradients' share, or where it is at most 1.5 times the estimate (the loss's
-transients differ from the estimate: under the adaptive loop's hooks llama-tiny's workspace is 1.28 times the
-estimate at 32 tokens, 0.75 at 128, a part of it constant; taken whole it errs high, by half the estimate at most);
-else (a workspace the gradients explain, more than 1.5 times the estimate: llama-small 3.1 at 128 tokens, the
-qwen2 1.6 at 64) the loss workspace is the estimate. At ``s`` the
-workspace is the largest of the gradients' share simulated at ``s``, the loss workspace (linear from the one
+while saved bytes are freed (a constant, the same at every length). llama-small batch 2 on CPU, 114 MiB of
+gradients, has a workspace of 25 MiB at 128 tokens (the gradients') and of 16 MiB at 256 (twice the logits):
+scaled linearly to 1024, the one at 128 tokens would be 199 MiB for the 64 measured (peak +12 %; from 64 tokens
++93 %; a qwen2 of width 256 from 32 tokens +117 %). The gradients' share is what the keep-all step simulated
+without a workspace (gradients made by position, ``Profile.gradient_split``) holds beyond the saved bytes. The
+loss workspace is estimated from the ops: twice the largest output after the layers (the logits' gradient and the
+log-softmax's). A reference's workspace is its loss's where it exceeds the gradients' share, or where it is at
+most 1.5 times the estimate (the loss's transients are not exactly the estimate: under the adaptive loop's hooks
+llama-tiny's workspace is 1.28 times the estimate at 32 tokens, 0.75 at 128, a part of it constant; taken whole it
+errs high, by half the estimate at most); else (a workspace the gradients explain, more than 1.5 times the
+estimate: llama-small's 3.1 at 128 tokens, the qwen2's 1.6 at 64) the loss workspace is the estimate. At ``s``
+the workspace is the largest of the gradients' share simulated at ``s``, the loss workspace (linear from the one
 reference that shows it; from two, as an op's bytes: the power through both, linear from the longer beyond it;
 from none, the estimate at ``s``) and one score op's output.
 
@@ -234,6 +233,16 @@ def _scaled_units(ref: Profile, ops: list) -> list:
     return units
 
 
+def _keep_all_peak(profile: Profile) -> int:
+    """The keep-all step's simulated peak, gradients included."""
+    from ._budget import keep_all
+    from ._model import StepModel
+    from ._simulator import simulate_assignment
+
+    model = StepModel.build(profile)
+    return simulate_assignment(model, keep_all(model)).peak_bytes
+
+
 def _gradient_share(profile: Profile) -> int:
     """Note: [workspace parts] the workspace the gradients explain: the keep-all step's simulated peak (gradients
     made in backward, saved bytes freed as it goes) with no loss workspace, less static memory without gradients
@@ -344,15 +353,6 @@ class SeqScalingCheck:
                 f"{', '.join(map(str, self.scaled_from))}: peak off by {self.peak_error:.1%}, activation peak by "
                 f"{self.activation_error:.1%}, step time by {self.time_error:.1%}"
                 + ("" if self.ok else f" (above {SEQ_SCALING_TOLERANCE:.0%})"))
-
-
-def _keep_all_peak(profile: Profile) -> int:
-    from ._budget import keep_all
-    from ._model import StepModel
-    from ._simulator import simulate_assignment
-
-    model = StepModel.build(profile)
-    return simulate_assignment(model, keep_all(model)).peak_bytes
 
 
 def seq_scaling_error(measured: Profile, refs: Profile | tuple[Profile, ...]) -> SeqScalingCheck:
