@@ -21,19 +21,35 @@ exponent ``k`` in ``[0, 2]`` (``v ~ s^k``: 0 a constant such as a fixed table, 1
   stays: it does not grow with the work (llama-small, fake tensors, 512 to 2048 tokens: step time off by 6 %;
   llama-tiny, 32 to 128, where almost every op is that latency: off by 60 %, two references: 0 %).
 * The workspace beyond the saved bytes (the peak minus static memory without gradients minus saved bytes) is
-  the largest of: linear from the longer reference when ``s`` is beyond it (the logits and the loss; Note:
-  [batch scaling]: at a short length the peak is often set by the gradients, so a fit through both would bend
-  the wrong way); the power through both references (as an op's bytes); and one score op's output, the
-  gradient of the scores a math attention's backward holds beside the saved bytes (hf:gemma2 on CPU: the
-  workspace is the logits' up to 256 tokens, 1 MB, and the scores' gradients at 512, 10 MB). The
-  time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows a line
-  through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny, CPU) and
-  stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient accumulation,
-  parameter-sized) is the nearer reference's.
+  the largest of its parts, each by its own law (Note: [workspace parts]): the gradients' share (constant in the
+  gradients, simulated at ``s``), the loss workspace (linear, or the power through two references that show it)
+  and one score op's output, the gradient of the scores a math attention's backward holds beside the saved bytes
+  (hf:gemma2 on CPU: the workspace is the logits' up to 256 tokens, 1 MB, and the scores' gradients at 512,
+  10 MB). The time of a measured step outside its ops (Python overhead, the allocator, the loss's glue) follows
+  a line through two references (it grows with the length: 5.6 ms at 64 tokens, 9.8 ms at 256 on llama-tiny,
+  CPU) and stays from one (as a batch-scaled profile's); the backward time charged to no op (gradient
+  accumulation, parameter-sized) is the nearer reference's.
 
 A scaled profile says so: ``model["extrapolated_from_seq_lens"]`` lists the lengths it was made from, and its
 fingerprint keeps only the structure half (as a batch-scaled one's). :func:`seq_scaling_error` checks the rule
 against a third measured length.
+
+Note: [workspace parts] a measured peak is set either at the loss (all saved bytes held, plus the logits'
+gradients: activation bytes, growing with the length) or in backward, where the parameters' gradients are made
+while saved bytes are freed (a constant, the same at every length). llama-small batch 2 on CPU, 114 MiB of
+gradients, has a workspace of 25 MiB at 128 tokens (the gradients') and of 16 MiB at 256 (twice the logits):
+scaled linearly to 1024, the one at 128 tokens would be 199 MiB for the 64 measured (peak +12 %; from 64 tokens
++93 %; a qwen2 of width 256 from 32 tokens +117 %). The gradients' share is what the keep-all step simulated
+without a workspace (gradients made by position, ``Profile.gradient_split``) holds beyond the saved bytes. The
+loss workspace is estimated from the ops: twice the largest output after the layers (the logits' gradient and the
+log-softmax's). A reference's workspace is its loss's where it exceeds the gradients' share, or where it is at
+most 1.5 times the estimate (the loss's transients are not exactly the estimate: under the adaptive loop's hooks
+llama-tiny's workspace is 1.28 times the estimate at 32 tokens, 0.75 at 128, a part of it constant; taken whole it
+errs high, by half the estimate at most); else (a workspace the gradients explain, more than 1.5 times the
+estimate: llama-small's 3.1 at 128 tokens, the qwen2's 1.6 at 64) the loss workspace is the estimate. At ``s``
+the workspace is the largest of the gradients' share simulated at ``s``, the loss workspace (linear from the one
+reference that shows it; from two, as an op's bytes: the power through both, linear from the longer beyond it;
+from none, the estimate at ``s``) and one score op's output.
 
 Note: [score ops by kind] with one profile the exponents cannot be measured, so the score ops are found by
 their kind and place: each softmax (``aten._softmax``, ``aten._safe_softmax``; not the loss's log-softmax) of a
@@ -57,7 +73,7 @@ __all__ = ["scale_to_seq_len", "seq_len_bucket", "SeqLenBucketError", "seq_scali
            "SEQ_SCALING_TOLERANCE", "score_ops", "parse_seq_lens", "profile_for_seq_len"]
 
 SEQ_SCALING_TOLERANCE = 0.1
-"""Relative error of the keep-all activation peak and step time a sequence-scaled profile is held to."""
+"""Relative error of the keep-all peak, activation peak and step time a sequence-scaled profile is held to."""
 
 _SOFTMAX = ("aten._softmax.", "aten._safe_softmax.")
 _MATMUL = ("aten.bmm.", "aten.mm.", "aten.matmul.", "aten.baddbmm.", "aten.addmm.", "aten.einsum.")
@@ -217,11 +233,60 @@ def _scaled_units(ref: Profile, ops: list) -> list:
     return units
 
 
-def _workspace(refs: tuple[Profile, ...], fit: _Fit, score_bytes: int) -> int:
-    """Note: [sequence scaling] the workspace beyond the saved bytes at ``fit.s``."""
-    spaces = tuple(max(0, r.peak_memory - (r.static.total - r.static.gradients) - r.saved_bytes) for r in refs)
-    linear = spaces[-1] * fit.s / fit.lengths[-1] if fit.s > fit.lengths[-1] or len(refs) == 1 else 0.0
-    return int(round(max(linear, fit.power(spaces) if len(refs) == 2 else 0.0, score_bytes)))
+def _keep_all_peak(profile: Profile) -> int:
+    """The keep-all step's simulated peak, gradients included."""
+    from ._budget import keep_all
+    from ._model import StepModel
+    from ._simulator import simulate_assignment
+
+    model = StepModel.build(profile)
+    return simulate_assignment(model, keep_all(model)).peak_bytes
+
+
+def _gradient_share(profile: Profile) -> int:
+    """Note: [workspace parts] the workspace the gradients explain: the keep-all step's simulated peak (gradients
+    made in backward, saved bytes freed as it goes) with no loss workspace, less static memory without gradients
+    and the saved bytes."""
+    bare = replace(profile, peak_memory=_no_grads(profile) + profile.saved_bytes)
+    return max(0, _keep_all_peak(bare) - bare.peak_memory)
+
+
+def _no_grads(profile: Profile) -> int:
+    return profile.static.total - profile.static.gradients
+
+
+def _loss_estimate(profile: Profile) -> int:
+    """Note: [workspace parts] twice the largest output of the ops after the layers (the logits' gradients)."""
+    last = max((op.index for op in profile.ops if op.layer is not None), default=-1)
+    return 2 * max((op.output_bytes for op in profile.ops[last + 1:]), default=0)
+
+
+_LOSS_COPIES = 1.5
+"""Note: [workspace parts] a workspace up to this many times the estimate is taken as the loss's."""
+
+
+def _loss_part(ref: Profile) -> tuple[int, bool]:
+    """Note: [workspace parts] the reference's loss workspace, and whether its peak showed it (else estimated)."""
+    space = max(0, ref.peak_memory - _no_grads(ref) - ref.saved_bytes)
+    estimate = _loss_estimate(ref)
+    if space > _gradient_share(ref) or space <= _LOSS_COPIES * estimate:
+        return space, True
+    return estimate, False
+
+
+def _workspace(refs: tuple[Profile, ...], fit: _Fit, draft: Profile, score_bytes: int) -> int:
+    """Note: [workspace parts] the workspace beyond the saved bytes at ``fit.s``: the largest of its parts."""
+    parts = [_loss_part(r) for r in refs]
+    seen = [i for i, (_, shown) in enumerate(parts) if shown]
+    if len(seen) == 2:
+        spaces = tuple(v for v, _ in parts)
+        linear = spaces[-1] * fit.s / fit.lengths[-1] if fit.s > fit.lengths[-1] else 0.0
+        loss = max(linear, fit.power(spaces))
+    elif seen:
+        loss = parts[seen[0]][0] * fit.s / fit.lengths[seen[0]]
+    else:
+        loss = _loss_estimate(draft)
+    return int(round(max(loss, _gradient_share(draft), score_bytes)))
 
 
 def _references(refs: Profile | tuple[Profile, ...], seq_len: int) -> tuple[tuple[Profile, ...], tuple[int, ...]]:
@@ -251,8 +316,7 @@ def scale_to_seq_len(refs: Profile | tuple[Profile, ...], seq_len: int) -> Profi
     first, near = refs[0], refs[fit.near]
     ops = _scaled_ops(refs, fit)
     units = _scaled_units(first, ops)
-    no_grads = first.static.total - first.static.gradients
-    workspace = _workspace(refs, fit, max((ops[i].output_bytes for i in score_ops(first)[0]), default=0))
+    no_grads = _no_grads(first)
     saved_inputs = int(round(fit.power(tuple(r.saved_input_bytes for r in refs))))
     compute = sum(u.fwd_time + u.bwd_time for u in units)
     outside = fit.time(tuple(max(0.0, r.step_time - sum(u.fwd_time + u.bwd_time for u in r.units)) for r in refs),
@@ -261,9 +325,11 @@ def scale_to_seq_len(refs: Profile | tuple[Profile, ...], seq_len: int) -> Profi
     model = {**first.model, "seq_len": seq_len, "extrapolated_from_seq_lens": list(lengths),
              "fingerprint": fingerprint.partition("-")[0] if isinstance(fingerprint, str) else fingerprint}
     saved = sum(u.saved_bytes for u in units) + saved_inputs
-    return replace(first, model=model, ops=ops, units=units, peak_memory=no_grads + saved + workspace,
-                   saved_input_bytes=saved_inputs, step_time=compute + outside,
-                   unattributed_time=near.unattributed_time)
+    draft = replace(first, model=model, ops=ops, units=units, peak_memory=no_grads + saved,
+                    saved_input_bytes=saved_inputs, step_time=compute + outside,
+                    unattributed_time=near.unattributed_time)
+    workspace = _workspace(refs, fit, draft, max((ops[i].output_bytes for i in score_ops(first)[0]), default=0))
+    return replace(draft, peak_memory=no_grads + saved + workspace)
 
 
 @dataclass(frozen=True)
@@ -275,19 +341,25 @@ class SeqScalingCheck:
     """Relative error of the keep-all step's activation peak (``search.planning.activation_peak``)."""
     time_error: float
     """Relative error of the keep-all step's simulated time."""
+    peak_error: float = 0.0
+    """Relative error of the keep-all step's simulated peak, gradients included: what a plan is searched against."""
 
     @property
     def ok(self) -> bool:
-        return max(self.activation_error, self.time_error) <= SEQ_SCALING_TOLERANCE
+        return max(self.activation_error, self.time_error, self.peak_error) <= SEQ_SCALING_TOLERANCE
 
     def describe(self) -> str:
         return (f"scaling check: sequence length {self.seq_len} measured vs extrapolated from "
-                f"{', '.join(map(str, self.scaled_from))}: activation peak off by {self.activation_error:.1%}, "
-                f"step time by {self.time_error:.1%}" + ("" if self.ok else f" (above {SEQ_SCALING_TOLERANCE:.0%})"))
+                f"{', '.join(map(str, self.scaled_from))}: peak off by {self.peak_error:.1%}, activation peak by "
+                f"{self.activation_error:.1%}, step time by {self.time_error:.1%}"
+                + ("" if self.ok else f" (above {SEQ_SCALING_TOLERANCE:.0%})"))
 
 
 def seq_scaling_error(measured: Profile, refs: Profile | tuple[Profile, ...]) -> SeqScalingCheck:
-    """``measured`` against ``refs`` scaled to its sequence length: keep-all activation peak and step time."""
+    """``measured`` against ``refs`` scaled to its sequence length: keep-all activation peak, step time and
+    peak."""
     s = _seq_len(measured, "measured")
     scaled = scale_to_seq_len(refs, s)
-    return SeqScalingCheck(s, tuple(scaled.model["extrapolated_from_seq_lens"]), *keep_all_errors(measured, scaled))
+    peaks = _keep_all_peak(measured), _keep_all_peak(scaled)
+    return SeqScalingCheck(s, tuple(scaled.model["extrapolated_from_seq_lens"]), *keep_all_errors(measured, scaled),
+                           peak_error=abs(peaks[1] - peaks[0]) / peaks[0])

@@ -7,6 +7,7 @@ Budgets are accounted by ``DeviceMemory`` on CPU, as in tests/test_adaptive.py.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import pytest
 import torch
@@ -196,9 +197,20 @@ def test_a_longer_bucket_below_the_minimum_is_refused_naming_its_length():
         assert am.profiles_run == 2 and len(am.history) == 2
 
 
-def test_one_short_reference_refusing_a_long_bucket_profiles_the_step():
-    """Note: [one reference refusing]: scaled from 8 tokens to 256 the minimum is overstated (18.2 MB for the
-    4.3 MB of the step's own profile); a budget between the two runs, the long step profiled, exact."""
+def test_one_short_reference_refusing_a_long_bucket_profiles_the_step(monkeypatch):
+    """Note: [one reference refusing]: a profile scaled from 8 tokens to 256 that overstates the step (here made to:
+    the reference's whole workspace, the gradients' share with it, added scaled with the length); a budget between
+    its minimum and the step's own profile's runs, the long step profiled, exact."""
+    from adaptive_mem.adaptive import _warmup
+
+    scale = _warmup.scale_to_seq_len
+
+    def overstated(refs, seq_len):
+        scaled, (ref,) = scale(refs, seq_len), (refs if isinstance(refs, tuple) else (refs,))
+        space = ref.peak_memory - (ref.static.total - ref.static.gradients) - ref.saved_bytes
+        return dataclasses.replace(scaled, peak_memory=scaled.peak_memory + space * seq_len // ref.model["seq_len"])
+
+    monkeypatch.setattr(_warmup, "scale_to_seq_len", overstated)
     budget = 6_000_000
     lengths = (8, 256, 256, 8)
     ref = _bundle("llama-tiny")

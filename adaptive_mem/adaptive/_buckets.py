@@ -21,12 +21,12 @@ by one rank and shared at the step's end (Note: [one decision per DP group]); th
 longest known bucket covering it. A new shape that no profile scales to (another batch size) is profiled on the
 plain model, the plan in force taken off before its call (where a forward awaits its backward, at its next step).
 
-Note: [one reference refusing] a profile scaled from one shorter length overstates what a much longer step holds
-at its peak (at a short length the peak is often set by the gradients, and that workspace is scaled with the
-length): llama-small batch 2, Adam, profiled at 64 tokens and scaled to 1024, a peak of 2171 MiB for the measured
-1123 MiB, so a budget of 70 % of the plain peak was refused. Where one reference scaled refuses the budget, the step
-is profiled instead (its own length, nearer); two references scaled refusing it, or the step's own profile, refuse
-it, naming the length. Guarded by tests/test_adaptive_shapes.py.
+Note: [one reference refusing] a profile scaled from one shorter length can overstate what a much longer step holds
+at its peak: one length cannot tell every part of the workspace apart (Note: [workspace parts]: a workspace of up
+to 1.5 times the loss's estimate is scaled whole, a part of it constant), and a budget the step fits may be
+refused. Where one reference scaled refuses the budget, the step is profiled instead (its own length, nearer); two
+references scaled refusing it, or the step's own profile, refuse it, naming the length. Guarded by
+tests/test_adaptive_shapes.py.
 
 Note: [longer than the maximum] a step longer than ``--max-seq-len`` (or the largest of ``--seq-len-buckets``) is an
 error before its forward, not a warning: the one plan was searched for the maximum, a longer step could run out of
