@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from profiler.naming import ModelStructure
 from search import Plan
 
+from ._lean_checkpoint import lean_applies, lean_checkpoint
 from ._resolve import Resolution
 from ._swap_engine import SwapEngine
 
@@ -74,4 +75,6 @@ class PlanContext:
 
             return distributed_checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args,
                                           layer=self.layers[index])
+        if lean_applies():  # Note: [lean checkpoint]
+            return lean_checkpoint(fn, *args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
