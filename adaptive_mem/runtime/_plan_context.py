@@ -69,7 +69,8 @@ class PlanContext:
         return run
 
     def checkpoint(self, index: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Non-reentrant checkpoint of ``fn`` in layer ``index``, distributed when the plan says so."""
+        """Non-reentrant checkpoint of ``fn`` in layer ``index``, distributed when the plan says so; eager, the lean
+        one (Note: [lean checkpoint] in ``_lean_checkpoint.py``)."""
         if self.plan.distribute_saved_activations:
             from ._distributed_checkpoint import distributed_checkpoint
 
