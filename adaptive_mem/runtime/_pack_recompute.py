@@ -31,6 +31,7 @@ flow, autocast, a producer output that does not require grad) is kept as is. Gua
 
 from __future__ import annotations
 
+import re
 import weakref
 from typing import Any, Callable
 
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from ._footprint import FOOTPRINT
+from ._functions import function_labels
 from ._op_level import eager_only
 from ._sac_policy import LayerTrace, under
 
@@ -178,11 +180,12 @@ def op_units(trace: LayerTrace, actions: dict[str, str], modules: dict[str, nn.M
     recomputed = [u for u in trace.units if actions.get(u) == "recompute"]
     paths = sorted(modules, key=len, reverse=True)
     layer_path = next(iter(modules))
+    functions = function_labels()  # a wrapped Function's node is its own, never the op's (Note: [wrapped Function unit])
     owner = lambda u: next((p for p in paths if under(u, p)), layer_path)  # noqa: E731
     out: dict[str, tuple[type, Any, list[str], list[str]]] = {}
     for unit in recomputed:
         keys = [k for k in trace.ops if k[0] == unit]
-        if len(keys) != 1 or keys[0] not in trace.calls or keys[0] in trace.mutated_ops or unit in trace.random \
+        if re.sub(r"_\d+$", "", unit.rpartition(".")[2]) in functions or len(keys) != 1 or keys[0] not in trace.calls or keys[0] in trace.mutated_ops or unit in trace.random \
                 or unit in trace.self_saved:
             return None
         func, storages = trace.calls[keys[0]]
