@@ -157,3 +157,21 @@ def _counting(init, frames):
         frames.append(1)
         init(self, *args, **kwargs)
     return counted
+
+
+def test_replay_under_forward_autocast_and_nested_checkpoint():
+    torch.manual_seed(0)
+    block, x = _Block(), torch.randn(4, 16)
+
+    def nested(b, x):
+        return checkpoint(b, x, use_reentrant=False) * 2
+
+    def autocast(run):
+        def go(b, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return run(b, x).float()
+        return go
+    for inner in (nested, lambda b, x: b(x)):
+        want = _grads(block, x, autocast(lambda b, x: checkpoint(inner, b, x, use_reentrant=False)))
+        got = _grads(block, x, autocast(lambda b, x: lean_checkpoint(inner, b, x)))
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
