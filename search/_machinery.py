@@ -77,14 +77,17 @@ def _hooked(model: StepModel, ops: set[int]) -> int:
 
 def _at_pack(model: StepModel, p: int, recomputed: list[int]) -> bool:
     """Every recomputed unit of layer position ``p`` is recomputed at pack (Note: [recompute at pack] in
-    ``adaptive_mem/runtime/_pack_recompute.py``): a module of its own whose ops do not save their output, read by
-    modules inside the layer (what the profile cannot tell, random numbers and in-place writes, is not checked)."""
+    ``adaptive_mem/runtime/_pack_recompute.py``): a module of its own, or one op of a module's code below the layer
+    (Note: [single-op recompute at pack]), whose ops do not save their output, read by modules inside the layer
+    (what the profile cannot tell, random numbers, in-place writes and the op's producers, is not checked)."""
     prof, layer = model.profile, model.profile.layer_path(model.layer_of(p))
     names = {model.units[i].name: i for i in model.positions[p]}
     for i in recomputed:
         ops = [prof.ops[o] for o in _unit_ops(model, i)]
         readers = prof.units[model.units[i].index].consumers
-        if not ops or any(op.module != model.units[i].name or op.saves_outputs for op in ops) or not readers \
+        own = ops and all(op.module == model.units[i].name for op in ops)
+        one_op = len(ops) == 1 and ops[0].module.startswith(layer + ".")
+        if not (own or one_op) or any(op.saves_outputs for op in ops) or not readers \
                 or any(r not in names or _module(model, names[r]) == layer for r in readers):
             return False
     return True

@@ -141,6 +141,7 @@ def test_hooks_region_and_layer_checkpoint_hold_and_compute_alike(monkeypatch):
     hook.remove()
     held = {"hooks": _held(bundle, batch, _plan({MUL: "recompute"}))}
     monkeypatch.setattr(_selective, "pack_units", lambda *args: None)
+    monkeypatch.setattr(_selective, "op_units", lambda *args: None)
     held["region"] = _held(bundle, batch, _plan({MUL: "recompute"}))
     monkeypatch.setattr(_selective, "region_path", lambda *args: None)
     with optimize(bundle.model, plan=_plan({MUL: "recompute"})) as handle:

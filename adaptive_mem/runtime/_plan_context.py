@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 from profiler.naming import ModelStructure
 from search import Plan
 
+from ._lean_checkpoint import lean_applies, lean_checkpoint
 from ._resolve import Resolution
 from ._swap_engine import SwapEngine
 
@@ -68,10 +69,13 @@ class PlanContext:
         return run
 
     def checkpoint(self, index: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """Non-reentrant checkpoint of ``fn`` in layer ``index``, distributed when the plan says so."""
+        """Non-reentrant checkpoint of ``fn`` in layer ``index``, distributed when the plan says so; eager, the lean
+        one (Note: [lean checkpoint] in ``_lean_checkpoint.py``)."""
         if self.plan.distribute_saved_activations:
             from ._distributed_checkpoint import distributed_checkpoint
 
             return distributed_checkpoint(functools.partial(fn, **kwargs) if kwargs else fn, *args,
                                           layer=self.layers[index])
+        if lean_applies():  # Note: [lean checkpoint]
+            return lean_checkpoint(fn, *args, **kwargs)
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)

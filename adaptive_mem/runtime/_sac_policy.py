@@ -74,6 +74,9 @@ class LayerTrace:
     self_saved: set[str] = field(default_factory=set)
     """Units one of whose ops saves a tensor the unit produced, as far as the pass tells (Note: [recompute at
     pack] in ``_pack_recompute.py``): a unit whose last op saves its input also counts."""
+    calls: dict[tuple[str, int], tuple[Any, tuple[int | None, ...]]] = field(default_factory=dict)
+    """Op -> its function and the storage of each positional argument (None: no tensor); ops with keyword
+    arguments are left out (Note: [single-op recompute at pack] in ``_pack_recompute.py``)."""
 
 
 def _storages(out: Any) -> list[int]:
@@ -116,6 +119,9 @@ class _Recorder(TorchDispatchMode):
                                                                      func._schema.arguments[len(args):]]):
             if arg.alias_info is not None and arg.alias_info.is_write and isinstance(value, torch.Tensor):
                 self.mutated.add(value.untyped_storage()._cdata)
+        if not kwargs:
+            self.trace.calls[key] = (func, tuple(a.untyped_storage()._cdata if isinstance(a, torch.Tensor) else None
+                                                 for a in args))
         cdatas = _storages(out)
         self.keep.append(out)
         self.outputs[key] = cdatas

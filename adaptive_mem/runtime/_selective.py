@@ -48,7 +48,7 @@ from search.planning import matches
 from ._compiled_sac import CompiledSacPolicy, compiled_sac_context
 from ._layer_cache import cache_snapshot, replays_on_snapshot
 from ._op_level import outside_dynamo
-from ._pack_recompute import PackRecompute, pack_units
+from ._pack_recompute import PackOp, PackRecompute, op_units, pack_units
 from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import (LayerTrace, OpCounter, SacPolicy, TablePolicy, is_dtensor, region_path, trace_layer,
@@ -227,11 +227,15 @@ class SelectiveLayers:
         paths = {ctx.namer.paths[id(m)]: m for m in layer.modules() if id(m) in ctx.namer.paths}
         plain = ctx.engine is None and state.tabled and not any(is_collective_unit(u) for u in trace.units) \
             and not any(is_dtensor(p) for p in layer.parameters())  # Note: [tensor-parallel trace]
-        units = pack_units(trace, state.actions, paths, lambda m: id(m) in ctx.namer.leaves) if plain else None
-        if units is not None:  # Note: [recompute at pack]
-            for unit, readers in units.items():
+        leaf = lambda m: id(m) in ctx.namer.leaves  # noqa: E731
+        units = pack_units(trace, state.actions, paths, leaf) if plain else None
+        ops = op_units(trace, state.actions, paths, leaf) if plain and units is None else None
+        if units is not None or ops is not None:  # Note: [recompute at pack], [single-op recompute at pack]
+            for unit, readers in (units or {}).items():
                 owner = next(p for p in sorted(paths, key=len, reverse=True) if under(unit, p))
                 PackRecompute(paths[owner], [paths[r] for r in readers]).install(ctx.handles)
+            for node, func, producers, readers in (ops or {}).values():
+                PackOp(node, func, [paths[p] for p in producers], [paths[r] for r in readers]).install(ctx.handles)
             self.on_hooks()
             state.packed = True
             return False
