@@ -43,7 +43,6 @@ from profiler import machinery_scope
 from profiler.tracing import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
-from ._footprint import FOOTPRINT
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
@@ -102,36 +101,40 @@ class _Record:
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.dead = False  # the last handle died: copies cancelled or done, host buffer released
-        self.lock = threading.RLock()
+        self.lock = engine.lock  # one per engine: records are touched by the compute thread and the copier
 
     def offload(self) -> None:
         engine = self.engine
         self.host = engine.pool.acquire(self.nbytes)
-        if isinstance(engine.pool, TieredHostPool) and engine.pool.on_disk(self.host):
+        if engine.tiered and engine.pool.on_disk(self.host):
             engine.stats.spilled_bytes += self.nbytes
-
-        def copy(non_blocking: bool) -> None:
-            with self.lock:  # Note: [cancelled offload]
-                src, host = self.src, self.host
-                if src is None:
-                    return
-                self.copying = True
-            try:  # the copy reads a uint8 view of the whole storage, made where the copy runs
-                flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
-                engine.pool.write(host, flat, non_blocking=non_blocking)
-            finally:
-                with self.lock:
-                    self.copying = False
-
-        def landed() -> None:
-            with self.lock:
-                if self.src is not None and self.src._version != self.version:
-                    self.error = ("one of the variables needed for gradient computation has been modified by an "
-                                  f"inplace operation (swapped activation of {self.label})")
-                self.src = None
-
-        self.d2h = engine.copier.submit(copy, landed)
+        self.d2h = engine.copier.submit(self._write, self._written, self.nbytes)
         engine.stats.offloaded_bytes += self.nbytes
+
+    def _write(self, non_blocking: bool) -> None:
+        """The offload copy, where the copier runs it."""
+        with self.lock:  # Note: [cancelled offload]
+            src, host = self.src, self.host
+            if src is None:
+                return
+            self.copying = True
+        try:  # the copy reads a uint8 view of the whole storage, made where the copy runs
+            flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
+            self.engine.pool.write(host, flat, non_blocking=non_blocking)
+        finally:
+            with self.lock:
+                self.copying = False
+
+    def _written(self) -> None:
+        with self.lock:
+            if self.src is not None and self.src._version != self.version:
+                self.error = self._modified()
+            self.src = None
+
+    def _modified(self) -> str:
+        """Autograd's own error for a saved tensor changed in place (Note: [in-place after save])."""
+        return ("one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"(swapped activation of {self.label})")
 
     def reload(self) -> None:
         with self.lock:
@@ -139,20 +142,21 @@ class _Record:
                 return
             engine = self.engine
             self.dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            dst, host = self.dst, self.host
-
-            def copy(non_blocking: bool) -> None:
-                engine.pool.read(host, dst, non_blocking=non_blocking)
-
-            def landed() -> None:
-                with self.lock:
-                    self.reloaded = True
-                    if self.handles == 0 or self.served:
-                        self._release_host()
-
-            self.h2d = engine.copier.submit(copy, landed)
+            self.h2d = engine.copier.submit(self._read, self._read_done, self.nbytes)
             engine.stats.reloaded_bytes += self.nbytes
             engine._reloads.append(weakref.ref(self))
+
+    def _read(self, non_blocking: bool) -> None:
+        """The reload copy, where the copier runs it (a record that died before it ran needs no bytes)."""
+        dst, host = self.dst, self.host
+        if dst is not None and host is not None:
+            self.engine.pool.read(host, dst, non_blocking=non_blocking)
+
+    def _read_done(self) -> None:
+        with self.lock:
+            self.reloaded = True
+            if self.handles == 0 or self.served:
+                self._release_host()
 
     def _release_host(self) -> None:
         host, self.host = self.host, None
@@ -186,8 +190,7 @@ class _Record:
                 raise RuntimeError(f"swap of {self.label} failed: {copy.error}") from copy.error
         later = self.src_ref()
         if self.error is None and later is not None and later._version != self.version:
-            self.error = ("one of the variables needed for gradient computation has been modified by an "
-                          f"inplace operation (swapped activation of {self.label})")
+            self.error = self._modified()
         if self.error is not None:
             raise RuntimeError(self.error)
         with self.lock:
@@ -281,7 +284,10 @@ class SwapEngine:
                                        host_dir=host_dir)
         else:
             raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
+        self.tiered = isinstance(self.pool, TieredHostPool)
         self.copier = make_copier(self.device)
+        self.lock = threading.RLock()
+        self._layer: int | None = None  # the layer of the offloads submitted since the last flush
         self.stats = SwapStats()
         self._by_storage: dict[int, tuple[Any, _Record]] = {}
         self._pending: dict[int, list[weakref.ref]] = {}
@@ -295,10 +301,16 @@ class SwapEngine:
     def begin_forward(self) -> None:
         self._by_storage.clear()
         self._reloads.clear()
+        self.flush()
         self.copier.reap()
 
     def end_forward(self) -> None:
         self._by_storage.clear()
+        self.flush()
+
+    def flush(self) -> None:  # Note: [batched issue] in ``_copier.py``: issue the copies submitted so far
+        self._layer = None
+        self.copier.flush()
 
     @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
@@ -313,6 +325,9 @@ class SwapEngine:
         known = self._by_storage.get(key)
         if known is not None and known[0]() is not None and not known[1].dead:  # Note: [dead record]
             return Packed(known[1], t, dtensor)  # Note: [swap by storage]: saved twice or another view
+        if layer != self._layer:  # Note: [batched issue]: one batch of offloads per layer
+            self.copier.flush()
+            self._layer = layer
         record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
         self._by_storage[key] = (weakref.ref(st), record)
@@ -349,6 +364,7 @@ class SwapEngine:
                     room -= record.nbytes
         if deferred and layer > 0:
             self._pending.setdefault(layer - 1, []).extend(deferred)
+        self.flush()
 
     def evict(self, needed: int) -> int:
         """Free up to ``needed`` device bytes by dropping reloaded prefetches not yet used, the one needed
@@ -381,8 +397,4 @@ class SwapEngine:
         raise TypeError("a SwapEngine cannot be copied or pickled (it owns a copy thread and host buffers); a model "
                         "under the adaptive loop (optimize(budget=...)) can be copied once its handle is removed")
 
-
-def unpack_saved(x: Any) -> Any:
-    FOOTPRINT.unpack += 1
-    return x.unpack() if isinstance(x, Packed) else x
 
