@@ -185,7 +185,8 @@ class StreamCopier(Copier):
     of a queued destination, all made before the flush), the copies run in submit order, and one event, reused once
     its batch has landed, marks the batch. The engine flushes at each layer change of its offloads, at the end of
     forward and after each backward trigger; ``wait`` and ``sync`` flush a copy not yet issued first. A source
-    stays referenced by its record until its batch is reaped, so nothing is freed under a copy."""
+    stays referenced by its record until its batch is reaped, so nothing is freed under a copy (tests/test_copier.py,
+    on emulated streams)."""
 
     asynchronous_issue = True
 
