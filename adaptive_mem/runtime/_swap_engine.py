@@ -82,22 +82,19 @@ class SwapStats:
 class _Record:
     """One swapped storage."""
 
+    __slots__ = ("engine", "label", "layer", "nbytes", "device", "src", "src_ref", "version", "host", "d2h", "h2d",
+                 "dst", "handles", "copying", "error", "reloaded", "served", "dead", "lock", "__weakref__")
+
     def __init__(self, engine: "SwapEngine", src: torch.Tensor, nbytes: int, label: str, layer: int) -> None:
-        self.engine = engine
-        self.label = label
-        self.layer = layer
-        self.nbytes = nbytes
-        self.device = src.device
+        self.engine, self.label, self.layer, self.nbytes, self.device = engine, label, layer, nbytes, src.device
         self.src: torch.Tensor | None = src  # the saved tensor, held until the offload copy landed
         self.src_ref = weakref.ref(src)  # to see in-place changes made after the copy, while it lives
         self.version = src._version
         self.host: HostBuffer | None = None
-        self.d2h: Copy | None = None
+        self.d2h: Copy | None = None  # the offload copy, then the reload copy
         self.h2d: Copy | None = None
         self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
-        self.handles = 0
-        self.copying = False
-        self.error: str | None = None
+        self.handles, self.copying, self.error = 0, False, None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.dead = False  # the last handle died: copies cancelled or done, host buffer released
@@ -319,7 +316,9 @@ class SwapEngine:
         Note: [DTensor swap] a DTensor's local shard is what is copied (its own storage is an empty wrapper); the
         unpack wraps the reloaded shard in the same layout (tests/test_parallel_exec.py: offloaded bytes are the
         local shards' bytes)."""
-        dtensor, t = (t, local_shard(t)) if local_shard(t) is not t else (None, t)
+        dtensor = None
+        if type(t) is not torch.Tensor and local_shard(t) is not t:
+            dtensor, t = t, local_shard(t)
         st = t.untyped_storage()
         key = st._cdata
         known = self._by_storage.get(key)
