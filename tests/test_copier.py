@@ -146,3 +146,58 @@ def test_streams_wait_and_sync_issue_an_unissued_copy_first(stream_copier):
 
 def test_make_copier_picks_by_device():
     assert isinstance(_copier.make_copier(torch.device("cpu")), ThreadCopier)
+
+
+class _BatchLog(_copier.Copier):
+    """A copier that issues only at ``flush`` (as a stream copier does), synchronously, logging each batch's size."""
+
+    asynchronous_issue = True
+
+    def __init__(self) -> None:
+        self.queued: list = []
+        self.batches: list[int] = []
+
+    def submit(self, fn, on_done=None, nbytes=None):
+        copy = _copier.Copy(fn, on_done)
+        self.queued.append(copy)
+        return copy
+
+    def flush(self) -> None:
+        queued, self.queued = self.queued, []
+        if queued:
+            self.batches.append(len(queued))
+        for copy in queued:
+            copy.fn(True)
+            if copy.on_done is not None:
+                copy.on_done()
+            copy.finished = True
+            copy.landed.set()
+
+    def wait(self, copy) -> float:
+        if not copy.finished:
+            self.flush()
+        return 0.0
+
+    sync = wait
+
+
+def test_the_engine_issues_a_batch_per_layer_and_per_trigger():
+    """Note: [batched issue]: offloads go in one batch per layer, a trigger's reloads in one, a reload asked for
+    outside a trigger (the adaptive loop's) at once; the round trip stays exact."""
+    from adaptive_mem.runtime._swap_engine import SwapEngine
+
+    engine = SwapEngine(device="cpu", num_layers=4)
+    engine.copier.close()
+    engine.copier = log = _BatchLog()
+    engine.begin_forward()
+    values = {(layer, k): torch.randn(16) for layer in (0, 1) for k in range(3)}
+    packed = {key: engine.offload(v, label="x", layer=key[0], prefetch=1) for key, v in values.items()}
+    engine.end_forward()
+    assert log.batches == [3, 3]
+    engine.on_backward(2)  # layer 1's reloads (trigger 1 + 1)
+    assert log.batches == [3, 3, 3]
+    packed[(0, 0)].record.reload()  # outside a trigger: issued at once
+    assert log.batches == [3, 3, 3, 1]
+    assert all(torch.equal(p.unpack(), values[key]) for key, p in packed.items())
+    assert log.batches == [3, 3, 3, 1, 1, 1]  # layer 0's other two on demand
+    engine.close()

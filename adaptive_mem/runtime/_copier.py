@@ -184,7 +184,8 @@ class StreamCopier(Copier):
     stream waits once for the compute stream (which covers every producer of a queued source and every allocation
     of a queued destination, all made before the flush), the copies run in submit order, and one event, reused once
     its batch has landed, marks the batch. The engine flushes at each layer change of its offloads, at the end of
-    forward and after each backward trigger; ``wait`` and ``sync`` flush a copy not yet issued first. A source
+    forward and after each backward trigger, and issues a reload asked for outside a trigger (the adaptive loop's
+    prefetch) at once; ``wait`` and ``sync`` flush a copy not yet issued first. A source
     stays referenced by its record until its batch is reaped, so nothing is freed under a copy (tests/test_copier.py,
     on emulated streams)."""
 

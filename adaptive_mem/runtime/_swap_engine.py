@@ -91,8 +91,8 @@ class _Record:
         self.src_ref = weakref.ref(src)  # to see in-place changes made after the copy, while it lives
         self.version = src._version
         self.host: HostBuffer | None = None
-        self.d2h: Copy | None = None  # the offload copy, then the reload copy
-        self.h2d: Copy | None = None
+        self.d2h: Copy | None = None  # the offload copy
+        self.h2d: Copy | None = None  # the reload copy
         self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
         self.handles, self.copying, self.error = 0, False, None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
@@ -142,6 +142,8 @@ class _Record:
             self.h2d = engine.copier.submit(self._read, self._read_done, self.nbytes)
             engine.stats.reloaded_bytes += self.nbytes
             engine._reloads.append(weakref.ref(self))
+        if not engine.triggering:  # a reload asked for outside a backward trigger starts now (Note: [batched issue])
+            engine.copier.flush()
 
     def _read(self, non_blocking: bool) -> None:
         """The reload copy, where the copier runs it (a record that died before it ran needs no bytes)."""
@@ -239,10 +241,7 @@ class Packed:
     def __init__(self, record: _Record, t: torch.Tensor, dtensor: Any = None) -> None:
         self.dtensor = None if dtensor is None else (dtensor._spec, dtensor.requires_grad)
         self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         record.add_handle()
 
     @machinery_scope()  # Note: [machinery ops]: its ops are no units of the model
@@ -285,6 +284,7 @@ class SwapEngine:
         self.copier = make_copier(self.device)
         self.lock = threading.RLock()
         self._layer: int | None = None  # the layer of the offloads submitted since the last flush
+        self.triggering = False  # in a backward trigger (until the next flush): its reloads start together
         self.stats = SwapStats()
         self._by_storage: dict[int, tuple[Any, _Record]] = {}
         self._pending: dict[int, list[weakref.ref]] = {}
@@ -306,7 +306,7 @@ class SwapEngine:
         self.flush()
 
     def flush(self) -> None:  # Note: [batched issue] in ``_copier.py``: issue the copies submitted so far
-        self._layer = None
+        self._layer, self.triggering = None, False
         self.copier.flush()
 
     @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
@@ -346,6 +346,7 @@ class SwapEngine:
         if room is not None:
             room -= self.prefetch_reserve
         deferred: list[weakref.ref] = []
+        self.triggering = True  # Note: [batched issue]: the reloads below start together
         for trigger in sorted((k for k in self._pending if k >= layer), reverse=True):
             for ref in self._pending.pop(trigger):
                 record = ref()
