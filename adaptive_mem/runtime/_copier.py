@@ -98,18 +98,20 @@ class Copier:
         pass
 
 
-INLINE_BYTES = 4 << 20
-"""Copies up to this size run inline on the CPU when the copy thread is idle (Note: [inline copies])."""
+INLINE_BYTES = 1 << 20
+"""Copies up to this size run inline on the CPU when the copy thread is idle (Note: [inline copies]); a larger one
+takes long enough for the copy thread to pay off where a core is free."""
 
 
 class ThreadCopier(Copier):
     """Note: [inline copies]. On the CPU a copy handed to the copy thread costs two thread switches and the GIL
-    handed over and back (tens of us, more than a memcpy of a MiB), and it overlaps compute only while the thread
-    has the GIL released inside the copy. So a copy of known size up to ``inline_bytes`` runs inline in
-    ``submit`` while no copy is queued or running on the thread (issue order is kept: nothing submitted earlier is
-    still pending), outside the Python dispatch modes of the caller (as on the copy thread, where no mode is entered:
-the runtime's footprint counts no copy), and returns the shared handle :data:`LANDED`; larger copies, copies of unknown size and copies
-    submitted behind a pending one go to the thread in issue order (tests/test_copier.py)."""
+    handed over and back (about 40 us per copy on the 2-core VM: as long as a memcpy of a few hundred KiB), and it
+    overlaps compute only while the thread has the GIL released inside the copy and a core is free. So a copy of
+    known size up to ``inline_bytes`` runs inline in ``submit`` while no copy is queued or running on the thread
+    (issue order is kept: nothing submitted earlier is still pending), outside the Python dispatch modes of the
+    caller (as on the copy thread, where none is entered: the runtime's footprint counts no copy), and returns the
+    shared handle :data:`LANDED`; larger copies, copies of unknown size and copies submitted behind a pending one go
+    to the thread in issue order (tests/test_copier.py)."""
 
     def __init__(self, inline_bytes: int = INLINE_BYTES) -> None:
         self.inline_bytes = inline_bytes
