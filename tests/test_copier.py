@@ -118,7 +118,8 @@ def stream_copier(monkeypatch):
 def test_streams_issue_a_batch_with_one_wait_and_one_event(stream_copier):
     copier, side, compute = stream_copier
     ran, landed = [], []
-    copies = [copier.submit(lambda nb, i=i: ran.append((i, nb)), lambda i=i: landed.append(i)) for i in range(3)]
+    copies = [copier.submit(lambda nb, i=i: ran.append((i, nb)), lambda i=i: landed.append(i), nbytes=8)
+              for i in range(3)]
     assert ran == [] and side.log == []  # queued, not issued
     copier.flush()
     assert ran == [(0, True), (1, True), (2, True)]
@@ -128,17 +129,18 @@ def test_streams_issue_a_batch_with_one_wait_and_one_event(stream_copier):
     event.done = True
     copier.reap()
     assert landed == [0, 1, 2] and all(c.finished and c.landed.is_set() for c in copies)
-    copier.submit(lambda nb: None)
+    copier.submit(lambda nb: None, nbytes=8)
     copier.flush()
     assert _Event.made == 1  # the landed batch's event is reused
 
 
 def test_streams_wait_and_sync_issue_an_unissued_copy_first(stream_copier):
     copier, side, compute = stream_copier
-    first = copier.submit(lambda nb: None)
+    first = copier.submit(lambda nb: None, nbytes=8)
+    assert first.event is None
     copier.wait(first)
     assert first.event is not None and compute.log == [("wait_event", first.event)]
-    second = copier.submit(lambda nb: None)
+    second = copier.submit(lambda nb: None, nbytes=8)
     copier.sync(second)
     assert second.finished and first.finished  # one stream: the earlier batch landed first
     assert side.log.count("wait_stream") == 2
@@ -201,3 +203,14 @@ def test_the_engine_issues_a_batch_per_layer_and_per_trigger():
     assert all(torch.equal(p.unpack(), values[key]) for key, p in packed.items())
     assert log.batches == [3, 3, 3, 1, 1, 1]  # layer 0's other two on demand
     engine.close()
+
+
+def test_streams_issue_a_batch_by_itself_once_it_holds_enough_bytes(stream_copier):
+    copier, side, _ = stream_copier
+    ran = []
+    copier.submit(lambda nb: ran.append("small"), nbytes=1024)
+    assert ran == []
+    copier.submit(lambda nb: ran.append("large"), nbytes=_copier.BATCH_BYTES)
+    assert ran == ["small", "large"] and side.log.count("wait_stream") == 1
+    copier.submit(lambda nb: ran.append("unknown"))  # unknown size: issued at once
+    assert ran[-1] == "unknown" and side.log.count("wait_stream") == 2

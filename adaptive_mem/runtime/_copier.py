@@ -179,13 +179,19 @@ class ThreadCopier(Copier):
             self._thread = None
 
 
+BATCH_BYTES = 16 << 20
+"""Queued bytes at which a stream copier issues its batch without waiting for a flush (Note: [batched issue])."""
+
+
 class StreamCopier(Copier):
     """Copies on one side stream; the compute stream waits on events, never the host.
 
     Note: [batched issue]. ``submit`` only queues a copy. ``flush`` issues the queued copies together: the side
     stream waits once for the compute stream (which covers every producer of a queued source and every allocation
     of a queued destination, all made before the flush), the copies run in submit order, and one event, reused once
-    its batch has landed, marks the batch. The engine flushes at each layer change of its offloads, at the end of
+    its batch has landed, marks the batch. A batch starts by itself once it holds ``BATCH_BYTES`` (a copy of unknown
+    size counts as that much): device memory waiting for its offload stays bounded, and copies that large cost
+    far more than their issue anyway. The engine flushes at each layer change of its offloads, at the end of
     forward and after each backward trigger, and issues a reload asked for outside a trigger (the adaptive loop's
     prefetch) at once; ``wait`` and ``sync`` flush a copy not yet issued first. A source
     stays referenced by its record until its batch is reaped, so nothing is freed under a copy (tests/test_copier.py,
@@ -197,6 +203,7 @@ class StreamCopier(Copier):
         self.device = device
         self.stream = torch.Stream(device=device)
         self._queued: list[Copy] = []
+        self._queued_bytes = 0
         self._inflight: list[tuple[Any, list[Copy]]] = []  # (event, copies) per issued batch, in issue order
         self._events: list[Any] = []  # events of reaped batches, for reuse
 
@@ -204,15 +211,18 @@ class StreamCopier(Copier):
                nbytes: int | None = None) -> Copy:
         copy = Copy(fn, on_done)
         self._queued.append(copy)
+        self._queued_bytes += BATCH_BYTES if nbytes is None else nbytes
         if self._inflight:
             self.reap()
+        if self._queued_bytes >= BATCH_BYTES:
+            self.flush()
         return copy
 
     def flush(self) -> None:
         queued = self._queued
         if not queued:
             return
-        self._queued = []
+        self._queued, self._queued_bytes = [], 0
         event = self._events.pop() if self._events else torch.Event(device=self.device)
         self.stream.wait_stream(torch.accelerator.current_stream(self.device))
         with self.stream:
