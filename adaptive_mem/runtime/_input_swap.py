@@ -23,7 +23,8 @@ from typing import Any, Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ._swap_engine import SwapEngine, no_cycle, unpack_saved
+from ._footprint import FOOTPRINT
+from ._swap_engine import Packed, SwapEngine, no_cycle
 
 __all__ = ["swapped_input_checkpoint"]
 
@@ -51,3 +52,8 @@ def swapped_input_checkpoint(fn: Callable[..., Any], *args: Any, engine: SwapEng
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack_saved):
         return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+
+
+def unpack_saved(x: Any) -> Any:
+    FOOTPRINT.unpack += 1
+    return x.unpack() if isinstance(x, Packed) else x

@@ -298,19 +298,21 @@ class OpSwaps:
 
     def pack(self, t: torch.Tensor) -> Any:
         FOOTPRINT.pack += 1
-        t = no_cycle(t)
-        packed = self._swap(t)
-        if packed is not None:
-            return packed
+        if type(t) is not nn.Parameter:  # a parameter is never swapped (and holds no grad_fn)
+            t = no_cycle(t)
+            packed = self._swap(t)
+            if packed is not None:
+                return packed
         outer = self.outer if self.hooks is not None else None
         return t if outer is None else _Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
 
     def _swap(self, t: torch.Tensor) -> Packed | None:
         """``t`` offloaded where a swap unit (or a layer swapped as a whole) saves it, else None."""
-        if isinstance(t, nn.Parameter):
+        plain = type(t) is torch.Tensor
+        if not plain and isinstance(t, nn.Parameter):
             return None
         bare = self.bare
-        local = local_shard(t)
+        local = t if plain else local_shard(t)
         # in a layer swapped as a whole, untracked (Note: [swap scopes]): plain tensors and DTensors' shards; another
         # subclass (a collective's async wrapper) is kept, as the tracker never names its wrapper storage
         if bare is not None and not self.ctx.opaque and type(local) is torch.Tensor:
@@ -322,7 +324,7 @@ class OpSwaps:
         producer = self.producer
         if not producer:
             return None
-        st = local_shard(t).untyped_storage()
+        st = local.untyped_storage()
         key = st._cdata
         info = producer.get(key)
         if info is None or info[0]() is not st or key in self._frozen(info[2]):

@@ -43,7 +43,6 @@ from profiler import machinery_scope
 from profiler.tracing import local_shard, no_cycle
 
 from ._copier import Copy, make_copier
-from ._footprint import FOOTPRINT
 from ._host_pool import FileHostPool, HostBuffer, HostPool
 from ._spill import HostBudget, TieredHostPool
 
@@ -83,55 +82,56 @@ class SwapStats:
 class _Record:
     """One swapped storage."""
 
+    __slots__ = ("engine", "label", "layer", "nbytes", "device", "src", "src_ref", "version", "host", "d2h", "h2d",
+                 "dst", "handles", "copying", "error", "reloaded", "served", "dead", "lock", "__weakref__")
+
     def __init__(self, engine: "SwapEngine", src: torch.Tensor, nbytes: int, label: str, layer: int) -> None:
-        self.engine = engine
-        self.label = label
-        self.layer = layer
-        self.nbytes = nbytes
-        self.device = src.device
+        self.engine, self.label, self.layer, self.nbytes, self.device = engine, label, layer, nbytes, src.device
         self.src: torch.Tensor | None = src  # the saved tensor, held until the offload copy landed
         self.src_ref = weakref.ref(src)  # to see in-place changes made after the copy, while it lives
         self.version = src._version
         self.host: HostBuffer | None = None
-        self.d2h: Copy | None = None
-        self.h2d: Copy | None = None
+        self.d2h: Copy | None = None  # the offload copy
+        self.h2d: Copy | None = None  # the reload copy
         self.dst: torch.Tensor | None = None  # uint8 device tensor after reload
-        self.handles = 0
-        self.copying = False
-        self.error: str | None = None
+        self.handles, self.copying, self.error = 0, False, None
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.dead = False  # the last handle died: copies cancelled or done, host buffer released
-        self.lock = threading.RLock()
+        self.lock = engine.lock  # one per engine: records are touched by the compute thread and the copier
 
     def offload(self) -> None:
         engine = self.engine
         self.host = engine.pool.acquire(self.nbytes)
-        if isinstance(engine.pool, TieredHostPool) and engine.pool.on_disk(self.host):
+        if engine.tiered and engine.pool.on_disk(self.host):
             engine.stats.spilled_bytes += self.nbytes
-
-        def copy(non_blocking: bool) -> None:
-            with self.lock:  # Note: [cancelled offload]
-                src, host = self.src, self.host
-                if src is None:
-                    return
-                self.copying = True
-            try:  # the copy reads a uint8 view of the whole storage, made where the copy runs
-                flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
-                engine.pool.write(host, flat, non_blocking=non_blocking)
-            finally:
-                with self.lock:
-                    self.copying = False
-
-        def landed() -> None:
-            with self.lock:
-                if self.src is not None and self.src._version != self.version:
-                    self.error = ("one of the variables needed for gradient computation has been modified by an "
-                                  f"inplace operation (swapped activation of {self.label})")
-                self.src = None
-
-        self.d2h = engine.copier.submit(copy, landed)
+        self.d2h = engine.copier.submit(self._write, self._written, self.nbytes)
         engine.stats.offloaded_bytes += self.nbytes
+
+    def _write(self, non_blocking: bool) -> None:
+        """The offload copy, where the copier runs it."""
+        with self.lock:  # Note: [cancelled offload]
+            src, host = self.src, self.host
+            if src is None:
+                return
+            self.copying = True
+        try:  # the copy reads a uint8 view of the whole storage, made where the copy runs
+            flat = torch.empty(0, dtype=torch.uint8, device=self.device).set_(src.untyped_storage())
+            self.engine.pool.write(host, flat, non_blocking=non_blocking)
+        finally:
+            with self.lock:
+                self.copying = False
+
+    def _written(self) -> None:
+        with self.lock:
+            if self.src is not None and self.src._version != self.version:
+                self.error = self._modified()
+            self.src = None
+
+    def _modified(self) -> str:
+        """Autograd's own error for a saved tensor changed in place (Note: [in-place after save])."""
+        return ("one of the variables needed for gradient computation has been modified by an inplace operation "
+                f"(swapped activation of {self.label})")
 
     def reload(self) -> None:
         with self.lock:
@@ -139,20 +139,23 @@ class _Record:
                 return
             engine = self.engine
             self.dst = torch.empty(self.nbytes, dtype=torch.uint8, device=self.device)
-            dst, host = self.dst, self.host
-
-            def copy(non_blocking: bool) -> None:
-                engine.pool.read(host, dst, non_blocking=non_blocking)
-
-            def landed() -> None:
-                with self.lock:
-                    self.reloaded = True
-                    if self.handles == 0 or self.served:
-                        self._release_host()
-
-            self.h2d = engine.copier.submit(copy, landed)
+            self.h2d = engine.copier.submit(self._read, self._read_done, self.nbytes)
             engine.stats.reloaded_bytes += self.nbytes
             engine._reloads.append(weakref.ref(self))
+        if not engine.triggering:  # a reload asked for outside a backward trigger starts now (Note: [batched issue])
+            engine.copier.flush()
+
+    def _read(self, non_blocking: bool) -> None:
+        """The reload copy, where the copier runs it (a record that died before it ran needs no bytes)."""
+        dst, host = self.dst, self.host
+        if dst is not None and host is not None:
+            self.engine.pool.read(host, dst, non_blocking=non_blocking)
+
+    def _read_done(self) -> None:
+        with self.lock:
+            self.reloaded = True
+            if self.handles == 0 or self.served:
+                self._release_host()
 
     def _release_host(self) -> None:
         host, self.host = self.host, None
@@ -186,8 +189,7 @@ class _Record:
                 raise RuntimeError(f"swap of {self.label} failed: {copy.error}") from copy.error
         later = self.src_ref()
         if self.error is None and later is not None and later._version != self.version:
-            self.error = ("one of the variables needed for gradient computation has been modified by an "
-                          f"inplace operation (swapped activation of {self.label})")
+            self.error = self._modified()
         if self.error is not None:
             raise RuntimeError(self.error)
         with self.lock:
@@ -239,10 +241,7 @@ class Packed:
     def __init__(self, record: _Record, t: torch.Tensor, dtensor: Any = None) -> None:
         self.dtensor = None if dtensor is None else (dtensor._spec, dtensor.requires_grad)
         self.record = record
-        self.dtype = t.dtype
-        self.size = t.size()
-        self.stride = t.stride()
-        self.offset = t.storage_offset()
+        self.dtype, self.size, self.stride, self.offset = t.dtype, t.size(), t.stride(), t.storage_offset()
         record.add_handle()
 
     @machinery_scope()  # Note: [machinery ops]: its ops are no units of the model
@@ -281,7 +280,11 @@ class SwapEngine:
                                        host_dir=host_dir)
         else:
             raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
+        self.tiered = isinstance(self.pool, TieredHostPool)
         self.copier = make_copier(self.device)
+        self.lock = threading.RLock()
+        self._layer: int | None = None  # the layer of the offloads submitted since the last flush
+        self.triggering = False  # in a backward trigger (until the next flush): its reloads start together
         self.stats = SwapStats()
         self._by_storage: dict[int, tuple[Any, _Record]] = {}
         self._pending: dict[int, list[weakref.ref]] = {}
@@ -295,10 +298,16 @@ class SwapEngine:
     def begin_forward(self) -> None:
         self._by_storage.clear()
         self._reloads.clear()
+        self.flush()
         self.copier.reap()
 
     def end_forward(self) -> None:
         self._by_storage.clear()
+        self.flush()
+
+    def flush(self) -> None:  # Note: [batched issue] in ``_copier.py``: issue the copies submitted so far
+        self._layer, self.triggering = None, False
+        self.copier.flush()
 
     @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
@@ -307,12 +316,17 @@ class SwapEngine:
         Note: [DTensor swap] a DTensor's local shard is what is copied (its own storage is an empty wrapper); the
         unpack wraps the reloaded shard in the same layout (tests/test_parallel_exec.py: offloaded bytes are the
         local shards' bytes)."""
-        dtensor, t = (t, local_shard(t)) if local_shard(t) is not t else (None, t)
+        dtensor = None
+        if type(t) is not torch.Tensor and local_shard(t) is not t:
+            dtensor, t = t, local_shard(t)
         st = t.untyped_storage()
         key = st._cdata
         known = self._by_storage.get(key)
         if known is not None and known[0]() is not None and not known[1].dead:  # Note: [dead record]
             return Packed(known[1], t, dtensor)  # Note: [swap by storage]: saved twice or another view
+        if layer != self._layer:  # Note: [batched issue]: one batch of offloads per layer
+            self.copier.flush()
+            self._layer = layer
         record = _Record(self, t, st.nbytes(), label, layer)
         record.offload()
         self._by_storage[key] = (weakref.ref(st), record)
@@ -332,6 +346,7 @@ class SwapEngine:
         if room is not None:
             room -= self.prefetch_reserve
         deferred: list[weakref.ref] = []
+        self.triggering = True  # Note: [batched issue]: the reloads below start together
         for trigger in sorted((k for k in self._pending if k >= layer), reverse=True):
             for ref in self._pending.pop(trigger):
                 record = ref()
@@ -349,6 +364,7 @@ class SwapEngine:
                     room -= record.nbytes
         if deferred and layer > 0:
             self._pending.setdefault(layer - 1, []).extend(deferred)
+        self.flush()
 
     def evict(self, needed: int) -> int:
         """Free up to ``needed`` device bytes by dropping reloaded prefetches not yet used, the one needed
@@ -381,8 +397,4 @@ class SwapEngine:
         raise TypeError("a SwapEngine cannot be copied or pickled (it owns a copy thread and host buffers); a model "
                         "under the adaptive loop (optimize(budget=...)) can be copied once its handle is removed")
 
-
-def unpack_saved(x: Any) -> Any:
-    FOOTPRINT.unpack += 1
-    return x.unpack() if isinstance(x, Packed) else x
 
