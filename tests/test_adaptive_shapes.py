@@ -120,8 +120,8 @@ def test_offloads_landing_late_are_waited_for_not_rescued(llama, monkeypatch):
     from adaptive_mem.runtime._copier import ThreadCopier
 
     submit = ThreadCopier.submit
-    monkeypatch.setattr(ThreadCopier, "submit", lambda self, fn, on_done=None: submit(
-        self, lambda non_blocking: (time.sleep(0.003), fn(non_blocking))[1], on_done))
+    monkeypatch.setattr(ThreadCopier, "submit", lambda self, fn, on_done=None, *size, **sizes: submit(
+        self, lambda non_blocking: (time.sleep(0.003), fn(non_blocking))[1], on_done))  # no size: on the thread
     grads, _ = llama
     for loop in ({}, {"max_seq_len": 128}):
         am = _train("llama-tiny", BUDGET, grads, **loop)

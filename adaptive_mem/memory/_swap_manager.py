@@ -57,8 +57,7 @@ class ManagerStats:
     swapped_out_bytes: int = 0
     """Bytes moved to the host by rescues (cumulative), evictions of early prefetches included."""
     first_out_bytes: int = 0
-    """Bytes of activations a rescue moved off the device for the first time in their life (cumulative):
-    what a step that needed rescues would have held on top of its measured peak."""
+    """Bytes a rescue moved off the device for the first time (cumulative): held on top of a rescued step's peak."""
     prefetches: int = 0
     """Reloads started ahead of use."""
     on_demand: int = 0
@@ -84,6 +83,8 @@ class SwapManager:
         self.layers = ([model.get_submodule(self.layers_info.layer_path(i)) for i in range(self.layers_info.count)]
                        if self.layers_info else [])
         self.engine = SwapEngine(device=self.device, num_layers=len(self.layers), host_budget=host_budget)
+        if isinstance(self.engine.copier, ThreadCopier):  # a rescue copies inside the allocation that asked, while
+            self.engine.copier.inline_bytes = 0  # a step is profiled: inline, the profile counted more beside it
         self.stats = ManagerStats()
         self._groups: dict[int, StorageGroup] = {}
         self._seq = 0
@@ -334,9 +335,8 @@ class SwapManager:
         return max(0, after - before) if after is not None else 0
 
     def _drain(self) -> bool:
-        """Wait for offload copies still in flight (the applied plan's swaps): their device bytes are released
-        when they land. Bounded wait: a copy blocked behind the allocation that asked (a reload holding its
-        record's lock) must not hang the step."""
+        """Wait (bounded: a copy may be blocked behind the allocation that asked) for the applied plan's offload
+        copies in flight: their device bytes are released when they land."""
         drained = False
         for copier in [engine.copier for engine in self.engines()]:
             marker = copier.submit(lambda non_blocking: None)  # copies run in issue order: behind all of them
