@@ -2,27 +2,28 @@
 layout issues in a layer (Note: [collective units]), and Megatron's --distribute-saved-activations shards the saved
 layer input over the tensor-parallel group (Note: [TP group]). 2 gloo ranks spawned once for the file (every
 collective and the spawn with a timeout); loss and every gradient (local shards) ``torch.equal`` to the same layout
-without a plan. On one device the keys warn that there is no collective to act on."""
+without a plan; the bytes held after forward are measured exactly (Note: [exact held bytes]). On one device
+the keys warn that there is no collective to act on."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _parallel_comm import KEEP_COMMS, TIMEOUT, worker  # noqa: E402
+from _parallel_comm import KEEP_COMMS, TIMEOUT, _Held, worker  # noqa: E402
 from _spawn import free_port, spawn_ranks  # noqa: E402
 
 from adaptive_mem import build_model, optimize  # noqa: E402
 from search import Plan  # noqa: E402
 
 BYTES = 2 * 16 * 64 * 4  # one replicated hidden-state tensor of llama-tiny here: batch 2, seq 16, hidden 64, fp32
-
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,30 @@ def test_distribute_saved_activations_under_sequence_parallel_keeps_the_input_an
     for result in _exact(ranks, "sp-distribute"):
         assert result["input_bytes"] == result["full_input_bytes"] == [BYTES // 2, BYTES // 2]
         assert len(result["warnings"]) == 1 and "sequence parallel" in result["warnings"][0], result["warnings"]
+
+
+def _on_a_thread(fn) -> None:
+    t = threading.Thread(target=fn)
+    t.start()
+    t.join()
+
+
+def test_held_bytes_count_the_forward_thread_and_tally_what_other_threads_free():
+    # Note: [exact held bytes]: another thread's allocation never counts; a free there is tallied apart
+    try:
+        held = _Held()
+    except ValueError as exc:
+        pytest.skip(f"no C++ accounting here: {exc}")
+    theirs: list[torch.Tensor] = []
+    with held.mem:
+        mine = [torch.empty(1024), torch.empty(512)]
+        _on_a_thread(lambda: theirs.append(torch.empty(256)))
+    assert held.mem.live == 6144 and held.session.foreign_freed() == 0
+    theirs.clear()
+    del mine[1]
+    assert held.mem.live == 4096 and held.session.foreign_freed() == 0
+    _on_a_thread(mine.clear)  # the last reference dropped on another thread: freed there
+    assert held.mem.live == 0 and held.session.foreign_freed() == 4096
 
 
 # ------------------------------------------------------------------------------------------ one device

@@ -17,6 +17,10 @@
 // Over a session's cap, the allocation first calls the Python callback (the session's on_oom hooks,
 // i.e. the SwapManager's rescue) with the GIL taken and no lock held, then re-checks; still over:
 // c10::OutOfMemoryError (torch.OutOfMemoryError in Python). A refused allocation never counts.
+//
+// A session restricted to one thread (Session.own_thread) counts only the allocations made on that
+// thread and tallies the bytes of its allocations that another thread frees (foreign_freed): what a
+// collective's worker thread releases after the calling thread dropped its last reference.
 #include <pybind11/pybind11.h>
 
 #include <ATen/Parallel.h>
@@ -51,6 +55,9 @@ struct Session {
   int refs = 1;  // the Python handle + every allocation counted here
   bool counting = false;
   bool dead = false;  // the Python handle is gone: owners may drop it
+  bool one_thread = false;  // count only allocations made on ``thread``
+  pthread_t thread{};
+  int64_t foreign_freed = 0;  // bytes of its allocations freed on another thread (one_thread only)
 };
 
 struct Header {
@@ -89,8 +96,13 @@ void add_live(Session* s, int64_t n) {
   if (s->live > s->peak) s->peak = s->live;
 }
 
+bool counts_here(const Session* s) {
+  return !s->one_thread || pthread_equal(s->thread, pthread_self());
+}
+
 void drop_owner(Session* s, int64_t size) {
   s->live -= size;
+  if (!counts_here(s)) s->foreign_freed += size;
   unref(s);
 }
 
@@ -151,7 +163,7 @@ void call_python(int64_t id, int64_t nbytes, int64_t fault) {
 
 Session* over_cap(size_t n, const std::vector<Session*>& skip) {
   for (Session* s : g_counting) {
-    if (s->cap >= 0 && s->live + static_cast<int64_t>(n) > s->cap) {
+    if (counts_here(s) && s->cap >= 0 && s->live + static_cast<int64_t>(n) > s->cap) {
       bool seen = false;
       for (Session* k : skip) seen |= k == s;
       if (!seen) return s;
@@ -164,6 +176,7 @@ Session* over_cap(size_t n, const std::vector<Session*>& skip) {
 void commit(size_t n, Session** owners) {
   int i = 0;
   for (Session* s : g_counting) {
+    if (!counts_here(s)) continue;
     add_live(s, static_cast<int64_t>(n));
     ++s->refs;
     owners[i++] = s;
@@ -178,6 +191,7 @@ void reserve(size_t n, Session** owners) {
   const bool parallel = at::in_parallel_region();
   std::vector<std::pair<int64_t, int64_t>> faults;
   for (Session* s : g_counting) {
+    if (!counts_here(s)) continue;
     ++s->allocations;
     // a scheduled fault fires once, at the first allocation from its number on that may call Python
     if (!s->scheduled.empty() && s->allocations >= s->scheduled.back().first && t_rescue == 0 && !parallel) {
@@ -435,6 +449,12 @@ class Handle {
     std::sort(faults.begin(), faults.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   }
   void clear_faults() { std::lock_guard<std::mutex> lock(g_mu); s_->scheduled.clear(); }
+  void own_thread() {  // from now on count only the calling thread's allocations
+    std::lock_guard<std::mutex> lock(g_mu);
+    s_->one_thread = true;
+    s_->thread = pthread_self();
+  }
+  int64_t foreign_freed() { std::lock_guard<std::mutex> lock(g_mu); return s_->foreign_freed; }
 
  private:
   void stop_locked() {
@@ -509,5 +529,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_allocations", &Handle::set_allocations)
       .def("faults", &Handle::faults)
       .def("inject_fault", &Handle::inject_fault)
-      .def("clear_faults", &Handle::clear_faults);
+      .def("clear_faults", &Handle::clear_faults)
+      .def("own_thread", &Handle::own_thread)
+      .def("foreign_freed", &Handle::foreign_freed);
 }
