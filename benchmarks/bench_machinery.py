@@ -217,7 +217,8 @@ def _limit(row: Row, plain: float, profile: Any, device: torch.device) -> tuple[
 def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> list[dict[str, Any]]:
     plain = statistics.median(rows[0].times)
     out = []
-    print(f"\n{spec} b{BATCH} s{SEQ} on {device.type} ({torch.get_num_threads()} thread(s)), "
+    shape = f"b{profile.model.get('batch_size')} s{profile.model.get('seq_len')} {profile.model.get('dtype', '')}"
+    print(f"\n{spec} {shape.strip()} on {device.type} ({torch.get_num_threads()} thread(s)), "
           f"medians of {len(rows[0].times)} interleaved rounds; per call: dispatch "
           f"{profile.hardware.dispatch_call_time * 1e6:.2f} us, hook {profile.hardware.hook_call_time * 1e6:.2f} us")
     plain_predicted = simulate(profile, rows[0].plan).step_time
@@ -246,8 +247,9 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
     return out
 
 
-def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool) -> list[dict[str, Any]]:
-    bundle = build_model(spec, batch_size=BATCH, seq_len=SEQ, seed=0, device=str(device))
+def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool, **sizes: Any) -> list[dict[str, Any]]:
+    """One model's table; ``sizes``: ``build_model``'s batch_size, seq_len, dtype and model_args (b8 s128 fp32)."""
+    bundle = build_model(spec, **{"batch_size": BATCH, "seq_len": SEQ, **sizes}, seed=0, device=str(device))
     opt = torch.optim.SGD(bundle.model.parameters(), lr=1e-3)
     profile = profile_step(bundle, optimizer=opt, warmup=1, repeat=max(3, rounds // 2))
     if calibrated:
@@ -264,6 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default="llama-tiny,hf:llama")
+    parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--seq-len", type=int, default=SEQ)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--layers", type=int, default=None, help="cut each model to this many layers (a 7B shape "
+                        "on a GPU: --models llama2-7b --layers 4 --batch-size 1 --seq-len 4096 --dtype bfloat16)")
     parser.add_argument("--calibrate", action="store_true", help="predict on the calibrated profile")
     parser.add_argument("--throughput", action="store_true",
                         help="also search --maximize throughput on llama-tiny seq 128 under 20 MiB and measure")
@@ -274,8 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     rounds, models = (3, ["llama-tiny"]) if args.quick else (args.rounds, args.models.split(","))
     results = []
+    sizes = dict(batch_size=args.batch_size, seq_len=args.seq_len, dtype=args.dtype,
+                 model_args={"num_layers": args.layers} if args.layers else None)
     for spec in models:
-        results += run_model(spec, rounds, device, args.calibrate)
+        results += run_model(spec, rounds, device, args.calibrate, **sizes)
     throughput = throughput_check(rounds, device, args.calibrate) if args.throughput else []
     if args.json:
         with open(args.json, "w") as f:
