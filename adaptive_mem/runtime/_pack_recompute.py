@@ -110,7 +110,36 @@ class _autocast:
             c.__exit__(*exc)
 
 
-class PackRecompute:
+class _AtReaders:
+    """The saved-tensor hooks entered around each reader's call: a tensor on the unit's output storage is packed as
+    its recipe while that output lives (``recipe``, ``storage``, ``output`` set by the subclass before)."""
+
+    recipe: Any
+    storage: int
+    output: Callable[[], torch.Tensor | None]
+    stack: list[Any]
+
+    def _find(self, args: tuple) -> None:
+        """The unit's output among a reader's arguments (where the unit is not a module whose output is seen)."""
+
+    def _enter(self, module: nn.Module, args: tuple) -> None:
+        self._find(args)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        hooks.__enter__()
+        self.stack.append(hooks)
+
+    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.stack:
+            self.stack.pop().__exit__(None, None, None)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        FOOTPRINT.pack += 1
+        if self.recipe is None or t.untyped_storage()._cdata != self.storage or self.output() is None:
+            return t
+        return self.recipe, t.size(), t.stride(), t.storage_offset()
+
+
+class PackRecompute(_AtReaders):
     """The hooks of Note: [recompute at pack] for one unit module and the modules reading its output."""
 
     def __init__(self, module: nn.Module, readers: list[nn.Module]) -> None:
@@ -136,22 +165,6 @@ class PackRecompute:
             return
         self.recipe, self.storage = _Recipe(module, args, kwargs), output.untyped_storage()._cdata
         self.output = weakref.ref(output)
-
-    def _enter(self, module: nn.Module, args: tuple) -> None:
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        hooks.__enter__()
-        self.stack.append(hooks)
-
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        FOOTPRINT.pack += 1
-        if self.recipe is None or t.untyped_storage()._cdata != self.storage or self.output() is None:
-            return t
-        return self.recipe, t.size(), t.stride(), t.storage_offset()
-
 
 def _unpack(packed: Any) -> torch.Tensor:
     FOOTPRINT.unpack += 1
@@ -226,7 +239,7 @@ def _dead() -> None:
     return None
 
 
-class PackOp:
+class PackOp(_AtReaders):
     """The hooks of Note: [single-op recompute at pack] for one op unit, its producers and its readers."""
 
     def __init__(self, node: type, func: Any, producers: list[nn.Module], readers: list[nn.Module]) -> None:
@@ -269,19 +282,3 @@ class PackOp:
                     and all(i.untyped_storage()._cdata != storage for i in ins):
                 self.recipe, self.storage, self.output = _OpRecipe(self.func, ins), storage, weakref.ref(a)
                 return
-
-    def _enter(self, module: nn.Module, args: tuple) -> None:
-        self._find(args)
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-        hooks.__enter__()
-        self.stack.append(hooks)
-
-    def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self.stack:
-            self.stack.pop().__exit__(None, None, None)
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        FOOTPRINT.pack += 1
-        if self.recipe is None or t.untyped_storage()._cdata != self.storage or self.output() is None:
-            return t
-        return self.recipe, t.size(), t.stride(), t.storage_offset()
