@@ -182,3 +182,32 @@ def test_evict_drops_an_unused_prefetch_and_it_comes_back_exact():
         assert engine.pool.in_use_bytes == 0
         del out, packed
     engine.close()
+
+
+def test_a_rescue_inside_a_reload_allocation_does_not_deadlock():
+    """Note: [a lock per record]: the reload of one record allocates under its lock; the out-of-memory hook it runs
+    swaps another storage out on the copy thread and waits for it, which takes that record's lock."""
+    engine = SwapEngine(device="cpu", num_layers=1)
+    engine.copier.inline_bytes = 0  # every copy on the copy thread
+    landed: list[bool] = []
+    try:
+        with DeviceMemory(track_existing=False) as mem:
+            a, b = torch.randn(256, 256), torch.randn(256, 256)
+            expected = a.clone()
+            first = engine.offload(a, label="a", layer=0, prefetch=0)
+            engine.copier.sync(first.record.d2h)
+            del a
+
+            def rescue(needed: int) -> bool:
+                second = engine.offload(b, label="b", layer=0, prefetch=0)
+                landed.append(second.record.d2h.landed.wait(timeout=5.0))
+                mem.cap = None  # the room the rescue made
+                return True
+
+            mem.cap = mem.live + 1024  # the reload's allocation runs the hook
+            mem.add_oom_hook(rescue)
+            first.record.reload()
+            assert landed == [True]
+            assert torch.equal(first.unpack(), expected)
+    finally:
+        engine.close()

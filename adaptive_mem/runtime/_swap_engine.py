@@ -70,9 +70,8 @@ class SwapStats:
     reloaded_bytes: int = 0
     """Bytes copied host -> device (cumulative)."""
     late_reloads: int = 0
-    """Unpacks that had to wait for their reload."""
+    """Unpacks that had to wait for their reload (``wait_seconds`` in all)."""
     wait_seconds: float = 0.0
-    """Time unpacks spent blocked on late reloads."""
     on_demand_reloads: int = 0
     """Reloads issued at unpack time (prefetch 0 or a trigger that never fired)."""
     spilled_bytes: int = 0
@@ -80,7 +79,9 @@ class SwapStats:
 
 
 class _Record:
-    """One swapped storage."""
+    """One swapped storage. Note: [a lock per record]: a record's lock is held around its reload's allocation, which
+    can run the out-of-memory hook; a rescue then swaps other storages, whose records' locks the copy thread takes:
+    one lock per engine would deadlock there (tests/test_swap_engine.py)."""
 
     __slots__ = ("engine", "label", "layer", "nbytes", "device", "src", "src_ref", "version", "host", "d2h", "h2d",
                  "dst", "handles", "copying", "error", "reloaded", "served", "dead", "lock", "__weakref__")
@@ -98,7 +99,7 @@ class _Record:
         self.reloaded = False  # the reload copy landed (``host`` still holds the bytes until served)
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.dead = False  # the last handle died: copies cancelled or done, host buffer released
-        self.lock = engine.lock  # one per engine: records are touched by the compute thread and the copier
+        self.lock = threading.RLock()  # Note: [a lock per record]
 
     def offload(self) -> None:
         engine = self.engine
@@ -282,7 +283,6 @@ class SwapEngine:
             raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
         self.tiered = isinstance(self.pool, TieredHostPool)
         self.copier = make_copier(self.device)
-        self.lock = threading.RLock()
         self._layer: int | None = None  # the layer of the offloads submitted since the last flush
         self.triggering = False  # in a backward trigger (until the next flush): its reloads start together
         self.stats = SwapStats()
