@@ -13,7 +13,7 @@ from torch.utils.checkpoint import CheckpointError, checkpoint
 
 from adaptive_mem import build_model, optimize
 from adaptive_mem.runtime import _lean_checkpoint
-from adaptive_mem.runtime._lean_checkpoint import _Frame, lean_applies, lean_checkpoint
+from adaptive_mem.runtime._lean_checkpoint import _Frame, _Slot, lean_applies, lean_checkpoint
 from search import Action, Decision, Plan
 
 
@@ -89,15 +89,14 @@ def test_autograd_grad_with_inputs():
 def test_frames_and_replayed_tensors_freed():
     torch.manual_seed(0)
     block = _Block()
-    counts = []
-    for _ in range(3):
-        x = torch.randn(4, 16, requires_grad=True)
+    for _ in range(3):  # only this test's objects are counted (a batch of 7): other threads may hold tensors
+        x = torch.randn(7, 16, requires_grad=True)
         lean_checkpoint(block, x * 2).sum().backward()
         del x
         gc.collect()
-        counts.append((sum(type(o) is _Frame for o in gc.get_objects()),
-                       sum(type(o) in (torch.Tensor, nn.Parameter) for o in gc.get_objects())))
-    assert counts[0][0] == 0 and len(set(counts)) == 1
+        live = [type(o) for o in gc.get_objects() if type(o) in (_Frame, _Slot)
+                or isinstance(o, torch.Tensor) and o.dim() == 2 and o.shape[0] == 7]
+        assert live == [], live  # no frame, no slot, no activation or replayed tensor left
 
 
 def test_input_modified_in_place_after_forward_raises():
