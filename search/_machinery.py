@@ -11,7 +11,10 @@ dispatched ``1 + view_ops`` times (its views with it), a saved tensor packed and
   pack hook; no op is dispatched in Python (every tensor the layer saves is swapped: nothing to tell apart);
 * a layer or group recomputed as a whole: nothing of ours (the checkpoint's own hooks are part of its replay);
 * op-level swaps: the ops of each swapped unit's module (its scope) are dispatched; the tensors they save, and
-  those saved by the readers of their outputs, are packed;
+  those saved by the readers of their outputs, are packed; a scope whose swapped units all leave the module running
+  them (or enter a module below it) before anything saves them dispatches nothing and packs only their readers'
+  saved tensors (Note: [scopes by their boundaries] in ``_scope_marks.py``: after the first step; a reader in the
+  same module's code that saves anything counts as saving the unit's tensor);
 * op-level recompute in a layer of units that are modules of their own, read by modules of the layer (Note:
   [recompute at pack]): the readers' saved tensors pass the pack and unpack hooks, no op is dispatched;
 * other op-level recompute in a layer: the policy sees the ops of the innermost module below the layer holding the
@@ -140,11 +143,34 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
         region = ops if inside is None else {o for i in inside for o in _unit_ops(model, i)}
         pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})
         return MachineryCalls(dispatch=_dispatches(model, region), pack=pack, unpack=pack)
-    scopes = {_module(model, i) for i in swapped}
-    scoped = {o for i in swapped for o in _unit_ops(model, i)}
+    untracked = {_module(model, i) for i in swapped}
+    untracked -= {_module(model, i) for i in swapped if not _at_boundary(model, i)}
+    tracked = [i for i in swapped if _module(model, i) not in untracked]
+    scopes = {_module(model, i) for i in tracked}
+    scoped = {o for i in tracked for o in _unit_ops(model, i)}
     scoped |= {o for o in ops if any(s and _under(model.profile.ops[o].module, s) for s in scopes)}
-    pack = _hooked(model, scoped)
+    found = {o for i in swapped if _module(model, i) in untracked for o in _unit_ops(model, i)}
+    prof = model.profile
+    packed = scoped | {c for o in scoped | found for c in prof.ops[o].consumers}  # a found unit's own saves: none
+    pack = sum(prof.ops[o].saved_tensors for o in packed)
     return MachineryCalls(dispatch=_dispatches(model, scoped), pack=pack, unpack=pack)
+
+
+def _at_boundary(model: StepModel, i: int) -> bool:
+    """Unit ``i``'s outputs leave the module running it, or enter a module below it, before anything saves them (Note:
+    [scopes by their boundaries]): no op of it saves its output and no reader in the same module's code saves
+    anything."""
+    prof = model.profile
+    ops = _unit_ops(model, i)
+    own = set(ops)
+    module = prof.ops[ops[0]].module if ops else None
+    for o in ops:
+        if prof.ops[o].saves_outputs:
+            return False
+        readers = (prof.ops[c] for c in prof.ops[o].consumers if c not in own)
+        if any(r.module == module and r.saved_tensors for r in readers):
+            return False
+    return bool(ops)
 
 
 def count_calls(model: StepModel, asg: Assignment) -> MachineryCalls:

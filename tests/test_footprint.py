@@ -19,15 +19,16 @@ def _plan(decisions: dict) -> Plan:
 
 def test_reset_and_snapshot():
     fp = Footprint()
-    assert fp.snapshot() == {"dispatch": 0, "pack": 0, "unpack": 0}
+    assert fp.snapshot() == {"dispatch": 0, "pack": 0, "unpack": 0, "trigger": 0}
     fp.dispatch += 3
     fp.pack += 2
     fp.unpack += 1
+    fp.trigger += 4
     snap = fp.snapshot()
-    assert snap == {"dispatch": 3, "pack": 2, "unpack": 1}
+    assert snap == {"dispatch": 3, "pack": 2, "unpack": 1, "trigger": 4}
     fp.reset()
-    assert fp.snapshot() == {"dispatch": 0, "pack": 0, "unpack": 0}
-    assert snap == {"dispatch": 3, "pack": 2, "unpack": 1}  # a snapshot is a copy
+    assert fp.snapshot() == {"dispatch": 0, "pack": 0, "unpack": 0, "trigger": 0}
+    assert snap == {"dispatch": 3, "pack": 2, "unpack": 1, "trigger": 4}  # a snapshot is a copy
 
 
 def _counts(decisions: dict | None) -> dict[str, int]:
@@ -48,12 +49,14 @@ def _counts(decisions: dict | None) -> dict[str, int]:
 
 
 def test_no_plan_counts_nothing():
-    assert _counts(None) == {"dispatch": 0, "pack": 0, "unpack": 0}
+    assert _counts(None) == {"dispatch": 0, "pack": 0, "unpack": 0, "trigger": 0}
 
 
 def test_op_level_swap_counts_dispatch_pack_and_unpack():
-    counts = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1}})
-    assert counts["dispatch"] > 0 and counts["pack"] > 0 and counts["unpack"] > 0
+    # attention's core saves its unit's tensor before any module boundary: tracked at every step (Note: [scopes by
+    # their boundaries])
+    counts = _counts({"layers.0.attention.flash_attention": {"action": "swap", "backward_prefetch": 1}})
+    assert counts["dispatch"] > 0 and counts["pack"] > 0 and counts["unpack"] > 0 and counts["trigger"] > 0
 
 
 def test_sac_policy_counts_dispatch():

@@ -94,7 +94,7 @@ def test_a_module_unit_costs_its_readers_saved_tensors_and_no_dispatch():
     want = seeded_step(bundle, batch)
     saved = _saved_in(bundle, bundle.model.layers[0].feed_forward.w2, batch)
     counts, state = _steps(bundle, batch, _plan({MUL: "recompute"}), want)
-    assert counts == {"dispatch": 0, "pack": saved, "unpack": saved} and saved == 2, (counts, saved)
+    assert counts == {"dispatch": 0, "pack": saved, "unpack": saved, "trigger": 0} and saved == 2, (counts, saved)
     assert state.packed and state.region is None
 
 
@@ -106,7 +106,7 @@ def test_an_op_unit_costs_the_ops_of_its_module_not_the_layers():
     region_ops = _ops_of(bundle, layer.attention, batch)
     layer_ops = _ops_of(bundle, layer, batch)
     counts, state = _steps(bundle, batch, _plan({"layers.0.attention.flash_attention": "recompute"}), want)
-    assert counts == {"dispatch": region_ops, "pack": 0, "unpack": 0}, (counts, region_ops)
+    assert counts == {"dispatch": region_ops, "pack": 0, "unpack": 0, "trigger": 0}, (counts, region_ops)
     assert state.region is layer.attention and not state.packed
     assert region_ops < layer_ops, (region_ops, layer_ops)
     assert "forward" not in layer.attention.__dict__

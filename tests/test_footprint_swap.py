@@ -50,26 +50,56 @@ def _inside(paths: list[str]) -> tuple[int, int, int]:
     return counter.ops, counter.saved, whole.ops
 
 
-def _counts(decisions: dict) -> tuple[dict[str, int], int]:
-    """FOOTPRINT of the second planned step of llama-tiny (exact against no plan), and the bytes it offloaded."""
+def _counts(decisions: dict, *, first: bool = False) -> tuple[dict[str, int], int]:
+    """FOOTPRINT of the second planned step of llama-tiny (with ``first``, of the first), exact against no plan,
+    and the bytes it offloaded."""
     bundle = build_model("llama-tiny", seed=0)
     batch = bundle.batch(seed=0)
     want = seeded_step(bundle, batch)
     plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions})
     with optimize(bundle.model, plan=plan) as handle:
-        seeded_step(bundle, batch)
-        before = handle.swap_stats.offloaded_bytes
-        FOOTPRINT.reset()
-        assert_same_step(seeded_step(bundle, batch), want, str(decisions))
+        for step in range(1 if first else 2):
+            before = handle.swap_stats.offloaded_bytes
+            FOOTPRINT.reset()
+            assert_same_step(seeded_step(bundle, batch), want, f"{decisions} step {step}")
         return FOOTPRINT.snapshot(), handle.swap_stats.offloaded_bytes - before
 
 
-def test_one_op_level_swap_intercepts_only_its_module():
-    counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": SWAP})
-    ops, saved, model_ops = _inside(["layers.0.feed_forward.w1"])
+@pytest.mark.parametrize("unit, scope", [
+    ("layers.0.feed_forward.w1.matmul", "layers.0.feed_forward.w1"),  # seen at its activation's input
+    ("layers.0.feed_forward.mul", "layers.0.feed_forward.mul"),  # the output of its own module
+])
+def test_one_op_level_swap_tracks_its_module_once(unit, scope):
+    """Note: [scopes by their boundaries]: the first step runs the scope module under the tracker (a dispatch
+    call per op of it, never the model's); its swap storage crosses a module boundary before it is saved, so
+    the next steps make no dispatch call at all and offload the same bytes."""
+    first, first_offloaded = _counts({unit: SWAP}, first=True)
+    counts, offloaded = _counts({unit: SWAP})
+    ops, saved, model_ops = _inside([scope])
+    assert 0 < first["dispatch"] <= 2 * ops + saved < model_ops // 10  # its ops, a detach per save, the offload
+    assert 0 < first["pack"] <= 2 * saved
+    assert counts["dispatch"] == 0
+    assert 0 < counts["pack"] <= first["pack"]
+    assert offloaded == first_offloaded > 0
+
+
+def test_a_storage_saved_inside_its_module_keeps_the_tracker():
+    """Attention's core saves what its swap unit made before any module boundary: the tracker stays, every step,
+    still only over that module's ops."""
+    counts, offloaded = _counts({"layers.1.attention.flash_attention": SWAP})
+    ops, saved, model_ops = _inside(["layers.1.attention"])
     assert offloaded > 0
-    assert 0 < counts["dispatch"] <= 2 * ops < model_ops // 10
-    assert 0 < counts["pack"] <= 2 * saved
+    assert 0 < counts["dispatch"] <= 2 * ops + saved < model_ops // 2
+
+
+@pytest.mark.parametrize("prefetch, triggers", [(1, [0, 1]), (2, [0, 1, 2]), (0, [])])
+def test_backward_triggers_only_where_a_reload_is_due(prefetch, triggers):
+    """Note: [triggers where due]: a swap in layer 0 reloaded ``prefetch`` layers ahead hooks the outputs of
+    layers 0 .. 0 + prefetch (the trigger and the layers a deferred reload may wait for), none above them and not
+    the model's; on demand (prefetch 0) none at all. llama-tiny has 4 layers."""
+    counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": prefetch}})
+    assert offloaded > 0
+    assert counts["trigger"] == len(triggers)
 
 
 def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_the_layer_end():
@@ -85,7 +115,7 @@ def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_the_layer_end():
 
 def test_op_level_swaps_in_two_layers():
     units = {"layers.0.feed_forward.mul": SWAP, "layers.2.attention.flash_attention": SWAP}
-    counts, offloaded = _counts(units)
+    counts, offloaded = _counts(units, first=True)
     ops, saved, model_ops = _inside(["layers.0.feed_forward", "layers.2.attention"])
     assert offloaded > 0
     assert 0 < counts["dispatch"] <= 2 * ops < model_ops // 2

@@ -51,8 +51,12 @@ def test_calls_follow_the_decided_units(prof):
     assert machinery_calls(prof, Plan()) == MachineryCalls()
     assert machinery_calls(prof, Plan(decisions={"layers.0": Decision(Action.RECOMPUTE)})) == MachineryCalls()
     w1, mul = "layers.0.feed_forward.w1.matmul", "layers.0.feed_forward.mul"
-    one = machinery_calls(prof, _swap(w1))  # the ops of its module, the tensors they and their readers save
-    assert one.dispatch == _dispatches(prof, "layers.0.feed_forward.w1") and 2 <= one.pack == one.unpack <= 8
+    # its tensor enters its module's activation before anything saves it: no dispatch, the activation's save
+    # (Note: [scopes by their boundaries]); attention's core saves its own tensor: the ops of its module dispatched
+    assert machinery_calls(prof, _swap(w1)) == MachineryCalls(0, 1, 1)
+    core = "layers.0.attention.flash_attention"
+    one = machinery_calls(prof, _swap(core))
+    assert one.dispatch == _dispatches(prof, core) > 0 and 2 <= one.pack == one.unpack <= 8
     # a module unit read by a module: recomputed at pack, a hook call per tensor its reader (w2) saves
     assert machinery_calls(prof, Plan(decisions={mul: Decision(Action.RECOMPUTE)})) == MachineryCalls(0, 2, 2)
     # else the policy over the ops of the module holding the unit and its reader (rope and flash attention)

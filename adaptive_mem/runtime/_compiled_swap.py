@@ -67,6 +67,9 @@ class CompiledBlocks:
         """Layers holding op-level swaps, selective ones too: compiled, their block graphs swap (Note: [op-level swap
         in a block], Note: [select recompute with swaps, compiled] in ``_selective.py``)."""
         self._codes: dict[tuple, Any] = {}
+        self._slots = [_slot(ctx, i) for i in range(ctx.num_layers)] if ctx.res.layers is not None else []
+        """Per layer, (its parent module, its name there) where found, to see at each forward without a path walk
+        that nothing compiled it (:meth:`_plain`)."""
         self._warned = False
         self._limit_warned = False
 
@@ -87,6 +90,14 @@ class CompiledBlocks:
             if on_layer:
                 self.layer_hooks.setdefault(layer, []).append(handle)
 
+    def _plain(self, i: int) -> bool:
+        """Layer ``i`` is neither compiled in place nor replaced by a compiled wrapper at its path (the cheap form
+        of :meth:`_target` is None, run at every planned forward)."""
+        layer = self.ctx.layers[i]
+        parent, name = self._slots[i]
+        return (parent is not None and parent._modules.get(name) is layer and not is_compile_wrapper(layer)
+                and layer.__dict__.get("_compiled_call_impl") is None)
+
     def _target(self, i: int) -> tuple[nn.Module, str] | None:
         ctx = self.ctx
         current = ctx.model.get_submodule(ctx.res.layers.layer_path(i))
@@ -105,6 +116,8 @@ class CompiledBlocks:
             return
         changed = False
         for i in range(ctx.num_layers):
+            if self._plain(i):
+                continue
             sac = self.sac.get(i)
             target = self._target(i)
             if target is None:
@@ -228,6 +241,16 @@ class CompiledBlocks:
             self._warned = True
             log.warning("adaptive_mem: compiled block %s runs eager: a dispatch mode entered inside the model's "
                         "forward sits above the swap engine's op tracker", self.ctx.res.layers.layer_path(i))
+
+
+def _slot(ctx: PlanContext, i: int) -> tuple[nn.Module | None, str]:
+    """Layer ``i``'s parent module and its name there; ``(None, "")`` where the path does not resolve plainly."""
+    parent_path, _, name = ctx.res.layers.layer_path(i).rpartition(".")
+    try:
+        parent = ctx.model.get_submodule(parent_path) if parent_path else ctx.model
+    except AttributeError:
+        return None, ""
+    return (parent, name) if parent._modules.get(name) is ctx.layers[i] else (None, "")
 
 
 def _own_forward(forward: Callable[..., Any]) -> Callable[..., Any]:

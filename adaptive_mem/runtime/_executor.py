@@ -51,6 +51,7 @@ from ._recompute import WholeLayers
 from ._resolve import LayerMode, Resolution
 from ._selective import SelectiveLayers
 from ._swap_engine import SwapEngine
+from ._swap_scopes import outputs
 
 __all__ = ["Executor"]
 
@@ -190,6 +191,12 @@ class Executor:
             if leave in hooks:
                 hooks.move_to_end(leave)
         self.ctx.namer.enter(module)
+        marks = self.swaps.marks
+        if marks.watching:  # Note: [scopes by their boundaries]
+            marks.boundary(module, args, self.swaps.record_unit)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         self.ctx.namer.exit(module)
+        marks = self.swaps.marks
+        if marks.watching:
+            marks.boundary(module, outputs(output), self.swaps.record_unit)

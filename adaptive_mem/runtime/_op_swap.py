@@ -14,8 +14,9 @@ is saved by the next layer at the latest), or of the forward. A layer swapped as
 its call saves is its units' but its inputs', its parameters' and buffers' (the rule of the compiled blocks,
 Note: [swap around compiled blocks]), and its outputs are recorded as its units'. So a plan deciding one unit
 costs a dispatch call per op of its scope module and a pack call per tensor saved there, never one per op of the
-model (tests/test_footprint_swap.py). While compiled blocks are wrapped the hooks and the tracker cover the whole
-forward, as those blocks expect.
+model, and after the first step none where its tensor crosses a module boundary before its save (Note: [scopes by
+their boundaries] in ``_scope_marks.py``; tests/test_footprint_swap.py). While compiled blocks are wrapped the
+hooks and the tracker cover the whole forward, as those blocks expect.
 
 Note: [scope hooks chain outward]. A scope enters its saved-tensor hooks in the middle of the forward, inside
 the hooks pushed at the model's call, the SwapManager's among them (the adaptive loop's rescues). Saved-tensor
@@ -33,7 +34,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
@@ -44,46 +44,11 @@ from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
-from ._swap_engine import Packed, local_shard, no_cycle, parameter_storages
-from ._swap_scopes import outputs, scope_modules, storage_keys, whole_layers
+from ._swap_engine import Packed, local_shard, no_cycle
+from ._scope_marks import ScopeMarks
+from ._swap_scopes import Outer, Tracker, outputs, scope_modules, storage_keys, whole_layers
 
 __all__ = ["OpSwaps"]
-
-
-class _Tracker(TorchDispatchMode):
-    """Records which swap unit produced each storage during forward."""
-
-    def __init__(self, swaps: "OpSwaps") -> None:
-        super().__init__()
-        self.swaps = swaps
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        FOOTPRINT.dispatch += 1
-        out = func(*args, **(kwargs or {}))
-        swaps = self.swaps
-        if swaps.ctx.opaque or swaps.quiet_layer:
-            return out
-        unit = swaps.ctx.namer.name(func, args)
-        if unit is None:
-            return out
-        fixed = swaps.fixed  # a layer swapped as a whole: every unit of it (Note: [swap scopes])
-        info = fixed if fixed is not None else swaps.swap_info(unit)
-        if info is not None:
-            label = unit if fixed is None else fixed[2]
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
-                    swaps.producer[st._cdata] = (weakref.ref(st), label, info[0], info[1])
-        return out
-
-
-class _Outer:
-    """What the hooks entered before a scope's packed (Note: [scope hooks chain outward]), with their unpack."""
-
-    __slots__ = ("packed", "unpack")
-
-    def __init__(self, packed: Any, unpack: Callable[[Any], Any]) -> None:
-        self.packed, self.unpack = packed, unpack
 
 
 class OpSwaps:
@@ -113,12 +78,14 @@ class OpSwaps:
         # chain outward])
         self.tracker: Any = None  # the tracker a scope entered, while entered
         self.params: dict[int, set[int]] = {}  # layer index -> its parameter and buffer storages (:meth:`_frozen`)
+        self.holders: dict[int, list[nn.Module]] = {}  # layer index -> its modules with parameters or buffers
         self.whole = {id(m): info for m, info in whole_layers(ctx, self.scopes)}
         """id of a scope that is a layer swapped as a whole -> (layer index, backward prefetch, layer path)."""
         self.fixed: tuple[int, int, str] | None = None  # inside such a layer's call, tracked: its ``whole`` entry
         self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
         self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
         self.escaped: list[Any] = []  # weak swap storages that left a scope in its outputs, while the hooks stay
+        self.marks = ScopeMarks()  # Note: [scopes by their boundaries]
 
     def named_roots(self) -> list[nn.Module]:
         """The modules whose calls the unit namer follows (under them the tracker names ops): the scopes but the
@@ -192,8 +159,8 @@ class OpSwaps:
 
     def _scope_pre(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         """A scope module's call begins: the saved-tensor hooks enter, and the tracker, but in a layer swapped as a
-        whole (Note: [swap scopes]). Called in the planned forward, outside dynamo already; skipped while dynamo
-        traces it."""
+        whole (Note: [swap scopes]) and in a scope known by its outputs (Note: [scopes by their outputs]). Called in
+        the planned forward, outside dynamo already; skipped while dynamo traces it."""
         if torch.compiler.is_compiling() or not self.pushed or self.pushed[-1] is None:
             return
         if self.entered or self.ctx.opaque:
@@ -205,16 +172,21 @@ class OpSwaps:
         if not self.scoped:  # the whole forward's hooks and tracker are entered already
             self.fixed = whole
             return
-        if self.hooks is None:
-            self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
-            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-            self.hooks.__enter__()
+        if whole is None and self.marks.begin(module):  # Note: [scopes by their boundaries]
+            return
+        self._enter_hooks()
         if whole is not None:
             self.bare = whole
             self.inputs = storage_keys((args, kwargs))
             return
-        self.tracker = _Tracker(self)
+        self.tracker = Tracker(self)
         self.tracker.__enter__()
+
+    def _enter_hooks(self) -> None:
+        if self.hooks is None:
+            self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+            self.hooks.__enter__()
 
     def _scope_post(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.entered or self.entered[-1] is not module or torch.compiler.is_compiling():
@@ -222,6 +194,8 @@ class OpSwaps:
         self.entered.pop()
         if self.entered:
             return
+        if self.marks.watching:
+            self.marks.end(module, self.producer)
         bare = self.bare
         if bare is not None:  # the layer's outputs are its units' (the tracker would have seen them made)
             for t in tree_flatten(outputs(output))[0]:
@@ -230,14 +204,25 @@ class OpSwaps:
                     if st._cdata not in self.inputs:
                         self.producer[st._cdata] = (weakref.ref(st), bare[2], bare[0], bare[1])
         self.escaped.extend(self._escaping(output))
+        if self.escaped:
+            self._enter_hooks()
         self._leave_scope(keep_hooks=True)
         self._release()
+
+    def record_unit(self, t: torch.Tensor, unit: str) -> None:
+        """Note: [scopes by their boundaries]: ``t``'s storage is swap unit ``unit``'s; the hooks enter for its saves."""
+        info = self.swap_info(unit)
+        if info is not None:
+            st = local_shard(t).untyped_storage()
+            self.producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
+            self._enter_hooks()
 
     def _leave_scope(self, *, keep_hooks: bool) -> None:
         """The outermost scope call ends: the tracker leaves; the hooks too unless ``keep_hooks``."""
         self.entered.clear()
         self.fixed = self.bare = None
         self.inputs = frozenset()
+        self.marks.reset()
         if self.tracker is not None:
             tracker, self.tracker = self.tracker, None
             tracker.__exit__(None, None, None)
@@ -273,14 +258,19 @@ class OpSwaps:
             hooks.__exit__(None, None, None)
 
     def on_grad_of(self, output: Any, index: int) -> None:
-        """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger."""
-        if not torch.is_grad_enabled():
+        """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger, where one is due (Note:
+        [triggers where due] in ``_swap_engine.py``)."""
+        engine = self.ctx.engine
+        if not torch.is_grad_enabled() or not engine.wants_trigger(index):
             return
-        t = next((x for x in tree_flatten(outputs(output))[0]
-                  if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        if type(output) is torch.Tensor:
+            t = output if output.requires_grad else None
+        else:
+            t = next((x for x in tree_flatten(outputs(output))[0]
+                      if isinstance(x, torch.Tensor) and x.requires_grad), None)
         if t is not None:
-            engine = self.ctx.engine
-            t.register_hook(lambda grad: engine.on_backward(index))
+            FOOTPRINT.trigger += 1
+            t.register_hook(functools.partial(_trigger, engine, index))
 
     # ================================================================== saved tensors
     def swap_info(self, unit: str) -> tuple[int, int] | None:
@@ -304,7 +294,7 @@ class OpSwaps:
             if packed is not None:
                 return packed
         outer = self.outer if self.hooks is not None else None
-        return t if outer is None else _Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
+        return t if outer is None else Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
 
     def _swap(self, t: torch.Tensor) -> Packed | None:
         """``t`` offloaded where a swap unit (or a layer swapped as a whole) saves it, else None."""
@@ -329,6 +319,7 @@ class OpSwaps:
         info = producer.get(key)
         if info is None or info[0]() is not st or key in self._frozen(info[2]):
             return None  # Note: [parameter storages are never swapped] in _swap_engine.py
+        self.marks.saved_here(key)
         return self.ctx.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
 
     def _frozen(self, layer: int) -> set[int]:
@@ -337,16 +328,19 @@ class OpSwaps:
         before the layer's forward."""
         found = self.params.get(layer)
         if found is None:
-            ctx = self.ctx
-            owner = ctx.layers[layer] if 0 <= layer < ctx.num_layers else ctx.model
-            found = self.params[layer] = parameter_storages(owner) | {b.untyped_storage()._cdata
-                                                                      for b in owner.buffers()}
+            holders = self.holders.get(layer)
+            if holders is None:  # the modules holding tensors of their own (fixed; their tensors may change)
+                ctx = self.ctx
+                owner = ctx.layers[layer] if 0 <= layer < ctx.num_layers else ctx.model
+                holders = self.holders[layer] = [m for m in owner.modules() if m._parameters or m._buffers]
+            found = self.params[layer] = {t.untyped_storage()._cdata for m in holders
+                                          for d in (m._parameters, m._buffers) for t in d.values() if t is not None}
         return found
 
     @staticmethod
     def unpack(x: Any) -> Any:
         FOOTPRINT.unpack += 1
-        if isinstance(x, _Outer):
+        if isinstance(x, Outer):
             return x.unpack(x.packed)
         return x.unpack() if isinstance(x, Packed) else x
 
@@ -358,7 +352,7 @@ class OpSwaps:
         if not self.scoped or not self.scopes:  # the whole forward (Note: [swap scopes])
             entry += (torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack),)
             if self.ctx.res.swap_outside_sac:
-                entry += (_Tracker(self),)
+                entry += (Tracker(self),)
         for ctx in entry:
             ctx.__enter__()
         self.pushed.append(entry)
@@ -367,6 +361,10 @@ class OpSwaps:
         entry = self.pushed.pop()
         for ctx in reversed(entry or ()):
             ctx.__exit__(None, None, None)
+
+
+def _trigger(engine: Any, index: int, grad: torch.Tensor) -> None:
+    engine.on_backward(index)
 
 
 def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:

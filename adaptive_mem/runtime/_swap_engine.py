@@ -336,12 +336,24 @@ class SwapEngine:
         return Packed(record, t, dtensor)
 
     # ------------------------------------------------------------------ backward
-    @machinery_scope()  # Note: [machinery ops]
+    def wants_trigger(self, layer: int) -> bool:
+        """Note: [triggers where due]. A backward trigger at ``layer`` can issue a reload: a scheduled one is due
+        there or later (their triggers only rise with the layers of later offloads). Asked at the end of the
+        layer's forward, it says whether the layer's output needs the trigger's gradient hook: a layer below every
+        trigger gets none, as a record's deferred reload (Note: [budget-aware prefetch]) never needs a trigger
+        below its own layer (its unpack comes first). tests/test_footprint_swap.py counts the triggers."""
+        return any(k >= layer for k in self._pending)
+
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
         and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
         prefetch]), the rest wait for the next layer or their unpack."""
         self.copier.reap()
+        if self.wants_trigger(layer):
+            self._issue(layer)
+
+    @machinery_scope()  # Note: [machinery ops]
+    def _issue(self, layer: int) -> None:
         room = self.headroom()
         if room is not None:
             room -= self.prefetch_reserve

@@ -3,22 +3,61 @@ a whole among them (Note: [swap scopes] in ``_op_swap.py``), found once at insta
 
 from __future__ import annotations
 
-from typing import Any
+import weakref
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from profiler.naming import named_modules
 from search import Action
 
+from ._footprint import FOOTPRINT
 from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 from ._swap_engine import local_shard
 
-__all__ = ["outputs", "scope_modules", "storage_keys", "whole_layers", "whole_swap_prefetch"]
+__all__ = ["Outer", "Tracker", "outputs", "scope_modules", "storage_keys", "whole_layers",
+           "whole_swap_prefetch"]
 
 
+class Tracker(TorchDispatchMode):
+    """Records which swap unit produced each storage during forward (Note: [swap scopes] in ``_op_swap.py``)."""
+
+    def __init__(self, swaps: Any) -> None:  # the OpSwaps of the plan
+        super().__init__()
+        self.swaps = swaps
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        FOOTPRINT.dispatch += 1
+        out = func(*args, **(kwargs or {}))
+        swaps = self.swaps
+        if swaps.ctx.opaque or swaps.quiet_layer:
+            return out
+        unit = swaps.ctx.namer.name(func, args)
+        if unit is None:
+            return out
+        fixed = swaps.fixed  # a layer swapped as a whole: every unit of it (Note: [swap scopes])
+        info = fixed if fixed is not None else swaps.swap_info(unit)
+        if info is not None:
+            label = unit if fixed is None else fixed[2]
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
+                    swaps.producer[st._cdata] = (weakref.ref(st), label, info[0], info[1])
+                    swaps.marks.made_here(st._cdata)  # Note: [scopes by their boundaries]
+        return out
+
+
+class Outer:
+    """What the hooks entered before a scope's packed (Note: [scope hooks chain outward]), with their unpack."""
+
+    __slots__ = ("packed", "unpack")
+
+    def __init__(self, packed: Any, unpack: Callable[[Any], Any]) -> None:
+        self.packed, self.unpack = packed, unpack
 def scope_modules(ctx: PlanContext) -> list[nn.Module]:
     """The scope modules of the plan's swap targets outside selective layers, outermost only (Note: [swap
     scopes]): the module a target names, or the one running its op unit; a container's called modules."""
