@@ -49,12 +49,22 @@ def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Ca
 
 def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A hook run outside dynamo in eager code and skipped inside a compiled frame, where a call of a
-    ``torch.compiler.disable``d function would break the graph (Note: [compile honoured])."""
+    ``torch.compiler.disable``d function would break the graph (Note: [compile honoured]). Where no frame
+    evaluation callback is set (plain eager code, the planned forward) the disabled call is the plain call,
+    and the hook makes it without the wrapper's two callback swaps."""
     off = torch.compiler.disable(fn)
 
     @functools.wraps(fn)
     def hook(*args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():
             return None
+        if _callback() is None:
+            return fn(*args, **kwargs)
         return off(*args, **kwargs)
     return hook
+
+
+_callback: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None) or (
+    lambda: torch.compiler.disable)
+"""The frame evaluation callback dynamo has set for this thread (None: frames run as plain Python); where torch
+does not expose it, a non-None stand-in, so hooks always take the disabled call."""

@@ -289,10 +289,10 @@ class OpSwaps:
     def pack(self, t: torch.Tensor) -> Any:
         FOOTPRINT.pack += 1
         if type(t) is not nn.Parameter:  # a parameter is never swapped (and holds no grad_fn)
-            t = no_cycle(t)
-            packed = self._swap(t)
+            packed = self._swap(t)  # its record drops ``t`` once the offload copy landed: no lasting cycle
             if packed is not None:
                 return packed
+            t = no_cycle(t)
         outer = self.outer if self.hooks is not None else None
         return t if outer is None else Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
 
