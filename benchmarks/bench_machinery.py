@@ -1,6 +1,6 @@
 """The machinery at small step times: what a plan costs beyond its copies and recomputes, measured and predicted.
 
-    python benchmarks/bench_machinery.py [--quick] [--rounds 8] [--device cpu|cuda] [--models llama-tiny,hf:llama]
+    python benchmarks/bench_machinery.py [--quick] [--rounds 16] [--device cpu|cuda] [--models llama-tiny,hf:llama]
                                          [--calibrate] [--json FILE]
 
 One model at batch 8 x seq 128 (llama-tiny's layer forward is ~2 ms on one CPU thread: the GPU regime's ratio of
@@ -9,7 +9,9 @@ applied once; each round runs one step of every plan in turn (interleaved), and 
 rounds. Rows: plain; an op-level swap of one unit; an op-level select recompute of one unit; 10 op-level swaps (the
 feed-forward units of layers 0-1 and two of layer 2: the plan ``search --maximize throughput`` picked at batch 8
 under 20 MiB); whole-layer swap and whole-layer recompute of layers 0-2 (of the first layers up to 3 on smaller
-models). Columns: the median step, its overhead over plain, the target and whether it is met, the simulator's
+models). Columns: the median step, its overhead over plain, the target and whether it is met, the copy time of
+the row's swapped bytes (out and back) over plain's step (the floor of a swap row wherever its copies do not overlap
+compute: on this CPU device and host share one memory bus and copies up to 1 MiB run inline), the simulator's
 prediction on the model's own profile (``--calibrate``: the profile after ``adaptive_mem.calibrate``) and its
 error, the error of the step relative to plain (predicted / predicted plain against measured / measured plain: the
 plan's overhead alone, free of the drift between the profile's timing and the rounds on a busy machine), and the
@@ -222,9 +224,9 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
           f"medians of {len(rows[0].times)} interleaved rounds; per call: dispatch "
           f"{profile.hardware.dispatch_call_time * 1e6:.2f} us, hook {profile.hardware.hook_call_time * 1e6:.2f} us")
     plain_predicted = simulate(profile, rows[0].plan).step_time
-    print("| plan | step ms | vs plain | target | met | predicted ms | error | vs plain error | dispatch (model) | "
-          "pack (model) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| plan | step ms | vs plain | target | met | copies alone | predicted ms | error | vs plain error | "
+          "dispatch (model) | pack (model) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         step = statistics.median(row.times)
         predicted = simulate(profile, row.plan).step_time
@@ -234,12 +236,15 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
         relative = (predicted / plain_predicted) / (step / plain) - 1  # the plan's overhead, the profile's drift out
         over = step / plain - 1
         model = machinery_calls(profile, row.plan)
-        print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {predicted * 1e3:.2f} | "
+        copies = copy_seconds(row.swapped, device) / plain  # the floor of a swap row where copies do not overlap
+        floor = f"{copies * 100:+.1f} %" if row.swapped else "-"
+        print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {floor} | "
+              f"{predicted * 1e3:.2f} | "
               f"{error * 100:+.1f} % | {relative * 100:+.1f} % | "
               f"{row.calls.get('dispatch', 0)} ({model.dispatch}) | "
               f"{row.calls.get('pack', 0)} ({model.pack}) |")
         out.append({"model": spec, "plan": row.name, "step_ms": step * 1e3, "vs_plain": over, "target": reads,
-                    "met": met, "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative,
+                    "met": met, "copies_vs_plain": copies if row.swapped else None, "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative,
                     "calls": row.calls,
                     "calls_model": {"dispatch": model.dispatch, "pack": model.pack, "unpack": model.unpack},
                     "swapped_bytes": row.swapped, "times_ms": [t * 1e3 for t in row.times],
@@ -262,7 +267,7 @@ def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool, **
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 rounds, llama-tiny only")
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--models", default="llama-tiny,hf:llama")
