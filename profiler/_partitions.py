@@ -34,9 +34,9 @@ _saved: dict[str, object] = {}
 
 def _partitioned(fw_module: fx.GraphModule, bw_module: fx.GraphModule, num_fwd_outputs: int,
                  *args: object, **kwargs: object) -> None:
+    original = _saved["offloading"]  # first: an observer may remove itself, and the last one restores the hook
     for observer in list(_observers):
         observer(fw_module, bw_module, num_fwd_outputs)
-    original = _saved["offloading"]
     if not _observers:
         _restore()
     original(fw_module, bw_module, num_fwd_outputs, *args, **kwargs)

@@ -241,3 +241,31 @@ def test_module_units_recomputed_under_autocast_are_exact(unit: str):
         for step in range(2):
             assert_same_step(_autocast_step(bundle, batch), want, f"{unit} step {step}")
         assert _states(handle)[0].packed
+
+
+def test_recompute_at_pack_beside_swaps_of_another_layer():
+    """A layer without swaps recomputes at pack though the plan swaps in another layer: no dispatch call once traced
+    (not the selective checkpoint over the layer); a storage escaping the swapping layer's scopes and saved inside a
+    reader still reaches the swap hooks (Note: [scope hooks chain outward]); each step bit for bit. Held bytes: the
+    swap plan's less the recomputed output."""
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = seeded_step(bundle, batch)
+    swaps = {"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1},
+             "layers.0.add_1": {"action": "swap", "backward_prefetch": 1}}  # layer 0's output: saved in layer 1
+    out = {}
+
+    def record(module, args, output) -> None:
+        out.setdefault("bytes", output.numel() * output.element_size())
+    hook = bundle.model.layers[1].feed_forward.mul.register_forward_hook(record)
+    alone = _held(bundle, batch, _plan(swaps))
+    hook.remove()
+    mixed = _plan({**swaps, "layers.1.feed_forward.mul": "recompute"})
+    with optimize(bundle.model, plan=mixed) as handle:
+        for step in range(3):
+            FOOTPRINT.reset()
+            before = handle.swap_stats.offloaded_bytes
+            assert_same_step(seeded_step(bundle, batch), want, f"step {step}")
+        assert FOOTPRINT.dispatch == 0 and _states(handle)[1].packed
+        assert handle.swap_stats.offloaded_bytes > before
+    assert _held(bundle, batch, mixed) == alone - out["bytes"]

@@ -291,3 +291,27 @@ def test_a_second_plan_on_the_same_compiled_model_gets_a_graph_of_its_own():
     ref = _reference("aot_eager", batch)
     for name in ref:
         torch.testing.assert_close(got[name], ref[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_an_observer_removing_itself_while_graphs_are_partitioned():
+    """Note: [partitioner hook]: the graph plans' observer removes itself when every planned model is gone without
+    ``remove()`` (garbage collected) while the partitioner calls it; the hook then restores PyTorch's function and
+    still calls it for the graphs at hand, and the next compile runs PyTorch's own partitioning."""
+    import torch._functorch._activation_offloading.activation_offloading as offloading
+    from profiler.tracing import add_partition_observer, remove_partition_observer
+
+    original = offloading.enable_activation_offloading
+    seen = []
+
+    def observer(fw, bw, num_fwd_outputs):
+        seen.append(num_fwd_outputs)
+        remove_partition_observer(observer)
+
+    add_partition_observer(observer)
+    x = torch.randn(8, 8, requires_grad=True)
+    torch._dynamo.reset()
+    torch.compile(lambda t: (t.sin() * t).sum(), backend="aot_eager")(x).backward()
+    assert len(seen) == 1
+    assert offloading.enable_activation_offloading is original
+    torch.compile(lambda t: (t.cos() * t).sum(), backend="aot_eager")(x).backward()
+    assert len(seen) == 1

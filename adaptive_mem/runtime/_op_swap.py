@@ -103,7 +103,7 @@ class OpSwaps:
             ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
             ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
         for i, layer in enumerate(ctx.layers):
-            pre, post = (eager_only(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
+            pre, post = (eager_only(_AtLayer(i, f)) for f in (self._layer_pre, self._layer_post))
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
                 ctx.handles.append(handle)
                 track(i, handle, on_layer=True)
@@ -361,6 +361,19 @@ class OpSwaps:
         entry = self.pushed.pop()
         for ctx in reversed(entry or ()):
             ctx.__exit__(None, None, None)
+
+
+class _AtLayer:
+    """A layer hook calling ``call(index, *args)``: no ``functools.partial``, which the layout detection of the namer
+    hooks (``layout_styles``) would take for a DTensor layout hook and order the layer's exit hook behind it."""
+
+    __slots__ = ("index", "call")
+
+    def __init__(self, index: int, call: Callable[..., Any]) -> None:
+        self.index, self.call = index, call
+
+    def __call__(self, *args: Any) -> Any:
+        return self.call(self.index, *args)
 
 
 def _trigger(engine: Any, index: int, grad: torch.Tensor) -> None:

@@ -42,6 +42,8 @@ from ._footprint import FOOTPRINT
 from ._functions import function_labels
 from ._op_level import eager_only
 from ._sac_policy import LayerTrace, under
+from ._swap_engine import no_cycle
+from ._swap_scopes import Outer
 
 __all__ = ["PackOp", "PackRecompute", "op_units", "pack_units"]
 
@@ -124,18 +126,24 @@ class _AtReaders:
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self._find(args)
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()
-        self.stack.append(hooks)
+        self.stack.append((hooks, outer))
 
     def _exit(self, module: nn.Module, args: tuple, output: Any) -> None:
         if self.stack:
-            self.stack.pop().__exit__(None, None, None)
+            self.stack.pop()[0].__exit__(None, None, None)
 
     def _pack(self, t: torch.Tensor) -> Any:
+        """A saved tensor on the unit's output: its recipe; any other: as the hooks entered before would pack it
+        (the swaps of other layers, the adaptive loop's manager: Note: [scope hooks chain outward] in
+        ``_op_swap.py``), else itself."""
         FOOTPRINT.pack += 1
         if self.recipe is None or t.untyped_storage()._cdata != self.storage or self.output() is None:
-            return t
+            outer = self.stack[-1][1] if self.stack else None
+            t = no_cycle(t)  # Note: [pack without a cycle]
+            return t if outer is None else Outer(outer[0](t), outer[1])
         return self.recipe, t.size(), t.stride(), t.storage_offset()
 
 
@@ -170,6 +178,8 @@ def _unpack(packed: Any) -> torch.Tensor:
     FOOTPRINT.unpack += 1
     if isinstance(packed, torch.Tensor):
         return packed
+    if isinstance(packed, Outer):
+        return packed.unpack(packed.packed)
     recipe, size, stride, offset = packed
     return recipe.output().as_strided(size, stride, offset)
 

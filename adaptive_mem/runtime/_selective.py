@@ -225,7 +225,9 @@ class SelectiveLayers:
         trace, ctx = state.trace, self.ctx
         assert trace is not None
         paths = {ctx.namer.paths[id(m)]: m for m in layer.modules() if id(m) in ctx.namer.paths}
-        plain = ctx.engine is None and state.tabled and not any(is_collective_unit(u) for u in trace.units) \
+        # a layer without swaps: swaps of other layers chain through its hooks (Note: [scope hooks chain outward])
+        plain = not swaps_inside(ctx.plan, ctx.res.layers.layer_path(state.index)) and state.tabled \
+            and not any(is_collective_unit(u) for u in trace.units) \
             and not any(is_dtensor(p) for p in layer.parameters())  # Note: [tensor-parallel trace]
         leaf = lambda m: id(m) in ctx.namer.leaves  # noqa: E731
         units = pack_units(trace, state.actions, paths, leaf) if plain else None
