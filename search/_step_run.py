@@ -93,7 +93,7 @@ class StepRun:
         """A reload's device buffer is allocated when it is issued, its copy runs on the copy stream behind the
         queued copies out (Note: [reload behind queued copies out]).
 
-        Note: [reload behind queued copies out] as the executor's swap engine does (``_Record.reload``): a swapped
+        Note: [reload behind queued copies out] as the executor's swap engine does (``Record.reload`` in ``adaptive_mem/runtime/_swap_record.py``): a swapped
         tensor's device copy lives until its copy out lands, and the reload buffer is taken when the prefetch is
         issued. Where the copies out take longer than the forward (a small model on a slow link), backward starts
         with most swapped tensors still on the device, and the prefetched reloads of the last layers add their
