@@ -143,13 +143,10 @@ def position_calls(model: StepModel, p: int, acts: Sequence[Action]) -> Machiner
         region = ops if inside is None else {o for i in inside for o in _unit_ops(model, i)}
         pack = _hooked(model, {o for i in swapped for o in _unit_ops(model, i)})
         return MachineryCalls(dispatch=_dispatches(model, region), pack=pack, unpack=pack)
-    untracked = {_module(model, i) for i in swapped}
-    untracked -= {_module(model, i) for i in swapped if not _at_boundary(model, i)}
-    tracked = [i for i in swapped if _module(model, i) not in untracked]
-    scopes = {_module(model, i) for i in tracked}
-    scoped = {o for i in tracked for o in _unit_ops(model, i)}
+    scopes = {_module(model, i) for i in swapped if not _at_boundary(model, i)}  # the scopes keeping the tracker
+    scoped = {o for i in swapped if _module(model, i) in scopes for o in _unit_ops(model, i)}
     scoped |= {o for o in ops if any(s and _under(model.profile.ops[o].module, s) for s in scopes)}
-    found = {o for i in swapped if _module(model, i) in untracked for o in _unit_ops(model, i)}
+    found = {o for i in swapped if _module(model, i) not in scopes for o in _unit_ops(model, i)}
     prof = model.profile
     packed = scoped | {c for o in scoped | found for c in prof.ops[o].consumers}  # a found unit's own saves: none
     pack = sum(prof.ops[o].saved_tensors for o in packed)

@@ -27,7 +27,9 @@ def is_collective_name(name: str) -> bool:
 
 
 def layout_styles(module: nn.Module) -> Iterator[tuple[str, tuple]]:
-    """``(style function qualname, its bound arguments)`` of each layout hook on ``module``."""
+    """``(style function qualname, its bound arguments)`` of each layout hook on ``module``: a hook closing over a
+    ``functools.partial`` of a PyTorch distributed style function (other partials, the runtime's own hooks among
+    them, are no layout)."""
     for hook in list(module._forward_pre_hooks.values()) + list(module._forward_hooks.values()):
         for cell in getattr(hook, "__closure__", None) or ():
             try:
@@ -35,7 +37,7 @@ def layout_styles(module: nn.Module) -> Iterator[tuple[str, tuple]]:
             except ValueError:
                 continue
             func = getattr(value, "func", None)
-            if func is not None:
+            if func is not None and getattr(func, "__module__", "").startswith("torch.distributed"):
                 yield getattr(func, "__qualname__", ""), tuple(getattr(value, "args", ()))
             elif type(value).__name__ == "PrepareModuleInput":
                 yield "PrepareModuleInput._prepare_input_fn", (value.input_layouts, value.desired_input_layouts)

@@ -64,7 +64,5 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
-_callback: Callable[[], Any] = getattr(torch._C._dynamo.eval_frame, "get_eval_frame_callback", None) or (
-    lambda: torch.compiler.disable)
-"""The frame evaluation callback dynamo has set for this thread (None: frames run as plain Python); where torch
-does not expose it, a non-None stand-in, so hooks always take the disabled call."""
+_callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
+"""The frame evaluation callback dynamo has set for this thread (None: frames run as plain Python)."""

@@ -29,7 +29,6 @@ died with nothing swappable).
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -46,7 +45,8 @@ from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._swap_engine import Packed, local_shard, no_cycle
 from ._scope_marks import ScopeMarks
-from ._swap_scopes import Outer, Tracker, outputs, scope_modules, storage_keys, whole_layers
+from ._swap_scopes import (Outer, Tracker, outer_hooks, outputs, pass_outward, produced, scope_modules, storage_keys,
+                           whole_layers)
 
 __all__ = ["OpSwaps"]
 
@@ -103,7 +103,7 @@ class OpSwaps:
             ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
             ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
         for i, layer in enumerate(ctx.layers):
-            pre, post = (eager_only(_AtLayer(i, f)) for f in (self._layer_pre, self._layer_post))
+            pre, post = (eager_only(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
                 ctx.handles.append(handle)
                 track(i, handle, on_layer=True)
@@ -159,8 +159,8 @@ class OpSwaps:
 
     def _scope_pre(self, module: nn.Module, args: Any, kwargs: dict) -> None:
         """A scope module's call begins: the saved-tensor hooks enter, and the tracker, but in a layer swapped as a
-        whole (Note: [swap scopes]) and in a scope known by its outputs (Note: [scopes by their outputs]). Called in
-        the planned forward, outside dynamo already; skipped while dynamo traces it."""
+        whole (Note: [swap scopes]) and in a scope known by its boundaries (Note: [scopes by their boundaries]).
+        Called in the planned forward, outside dynamo already; skipped while dynamo traces it."""
         if torch.compiler.is_compiling() or not self.pushed or self.pushed[-1] is None:
             return
         if self.entered or self.ctx.opaque:
@@ -184,7 +184,7 @@ class OpSwaps:
 
     def _enter_hooks(self) -> None:
         if self.hooks is None:
-            self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
+            self.outer = outer_hooks()  # Note: [scope hooks chain outward]
             self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.hooks.__enter__()
 
@@ -199,10 +199,8 @@ class OpSwaps:
         bare = self.bare
         if bare is not None:  # the layer's outputs are its units' (the tracker would have seen them made)
             for t in tree_flatten(outputs(output))[0]:
-                if isinstance(t, torch.Tensor):
-                    st = local_shard(t).untyped_storage()
-                    if st._cdata not in self.inputs:
-                        self.producer[st._cdata] = (weakref.ref(st), bare[2], bare[0], bare[1])
+                if isinstance(t, torch.Tensor) and local_shard(t).untyped_storage()._cdata not in self.inputs:
+                    produced(self.producer, t, bare[2], bare[0], bare[1])
         self.escaped.extend(self._escaping(output))
         if self.escaped:
             self._enter_hooks()
@@ -213,8 +211,7 @@ class OpSwaps:
         """Note: [scopes by their boundaries]: ``t``'s storage is swap unit ``unit``'s; the hooks enter for its saves."""
         info = self.swap_info(unit)
         if info is not None:
-            st = local_shard(t).untyped_storage()
-            self.producer[st._cdata] = (weakref.ref(st), unit, info[0], info[1])
+            produced(self.producer, t, unit, info[0], info[1])
             self._enter_hooks()
 
     def _leave_scope(self, *, keep_hooks: bool) -> None:
@@ -294,7 +291,7 @@ class OpSwaps:
                 return packed
             t = no_cycle(t)
         outer = self.outer if self.hooks is not None else None
-        return t if outer is None else Outer(outer[0](t), outer[1])  # Note: [scope hooks chain outward]
+        return pass_outward(t, outer)  # Note: [scope hooks chain outward]
 
     def _swap(self, t: torch.Tensor) -> Packed | None:
         """``t`` offloaded where a swap unit (or a layer swapped as a whole) saves it, else None."""
@@ -361,19 +358,6 @@ class OpSwaps:
         entry = self.pushed.pop()
         for ctx in reversed(entry or ()):
             ctx.__exit__(None, None, None)
-
-
-class _AtLayer:
-    """A layer hook calling ``call(index, *args)``: no ``functools.partial``, which the layout detection of the namer
-    hooks (``layout_styles``) would take for a DTensor layout hook and order the layer's exit hook behind it."""
-
-    __slots__ = ("index", "call")
-
-    def __init__(self, index: int, call: Callable[..., Any]) -> None:
-        self.index, self.call = index, call
-
-    def __call__(self, *args: Any) -> Any:
-        return self.call(self.index, *args)
 
 
 def _trigger(engine: Any, index: int, grad: torch.Tensor) -> None:

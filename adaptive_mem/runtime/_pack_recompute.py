@@ -43,7 +43,7 @@ from ._functions import function_labels
 from ._op_level import eager_only
 from ._sac_policy import LayerTrace, under
 from ._swap_engine import no_cycle
-from ._swap_scopes import Outer
+from ._swap_scopes import Outer, outer_hooks, pass_outward
 
 __all__ = ["PackOp", "PackRecompute", "op_units", "pack_units"]
 
@@ -126,7 +126,7 @@ class _AtReaders:
 
     def _enter(self, module: nn.Module, args: tuple) -> None:
         self._find(args)
-        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)  # Note: [scope hooks chain outward]
+        outer = outer_hooks()  # Note: [scope hooks chain outward]
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         hooks.__enter__()
         self.stack.append((hooks, outer))
@@ -142,8 +142,7 @@ class _AtReaders:
         FOOTPRINT.pack += 1
         if self.recipe is None or t.untyped_storage()._cdata != self.storage or self.output() is None:
             outer = self.stack[-1][1] if self.stack else None
-            t = no_cycle(t)  # Note: [pack without a cycle]
-            return t if outer is None else Outer(outer[0](t), outer[1])
+            return pass_outward(no_cycle(t), outer)  # Note: [pack without a cycle]
         return self.recipe, t.size(), t.stride(), t.storage_offset()
 
 

@@ -84,8 +84,8 @@ class ScopeMarks:
                     self.located[key] = (index, id(module), pos)
 
     def end(self, module: Any, producer: dict[int, tuple[Any, str, int, int]]) -> None:
-        """The scope call ends; learning, its marks are kept (``producer``: storage -> (weak storage, swap unit,
-        layer, backward prefetch))."""
+        """The scope call ends (the caller then resets); learning, its marks are kept (``producer``: storage ->
+        (weak storage, swap unit, layer, backward prefetch))."""
         if self.made is not None:
             made, located = self.made, self.located
             marks: dict[int, Mark] | None = None
@@ -95,8 +95,7 @@ class ScopeMarks:
                     index, owner, pos = located[key]
                     marks.setdefault(index, (owner, []))[1].append((pos, producer[key][1]))
             self.known[id(module)] = marks
-        self.reset()
 
     def reset(self) -> None:
+        """No scope call under way (what learning noted is read only while ``made`` is set)."""
         self.watching, self.lit, self.made = False, None, None
-        self.saved, self.located = set(), {}

@@ -19,8 +19,8 @@ from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 from ._swap_engine import local_shard
 
-__all__ = ["Outer", "Tracker", "outputs", "scope_modules", "storage_keys", "whole_layers",
-           "whole_swap_prefetch"]
+__all__ = ["Outer", "Tracker", "outer_hooks", "outputs", "pass_outward", "produced", "scope_modules",
+           "storage_keys", "whole_layers", "whole_swap_prefetch"]
 
 
 class Tracker(TorchDispatchMode):
@@ -45,9 +45,8 @@ class Tracker(TorchDispatchMode):
             label = unit if fixed is None else fixed[2]
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
-                    st = local_shard(t).untyped_storage()  # Note: [DTensor swap]
-                    swaps.producer[st._cdata] = (weakref.ref(st), label, info[0], info[1])
-                    swaps.marks.made_here(st._cdata)  # Note: [scopes by their boundaries]
+                    key = produced(swaps.producer, t, label, info[0], info[1])
+                    swaps.marks.made_here(key)  # Note: [scopes by their boundaries]
         return out
 
 
@@ -58,6 +57,28 @@ class Outer:
 
     def __init__(self, packed: Any, unpack: Callable[[Any], Any]) -> None:
         self.packed, self.unpack = packed, unpack
+
+
+def outer_hooks() -> tuple[Callable, Callable] | None:
+    """The saved-tensor hooks entered now, which hooks entered inside them pass on to (Note: [scope hooks chain
+    outward])."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def pass_outward(t: torch.Tensor, outer: tuple[Callable, Callable] | None) -> Any:
+    """``t`` as the hooks ``outer`` (:func:`outer_hooks`) pack it, else itself (Note: [scope hooks chain outward])."""
+    return t if outer is None else Outer(outer[0](t), outer[1])
+
+
+def produced(producer: dict[int, tuple[Any, str, int, int]], t: torch.Tensor, unit: str, layer: int,
+             prefetch: int) -> int:
+    """Record ``t``'s storage (a DTensor's: its local shard's, Note: [DTensor swap]) as swap unit ``unit``'s in
+    ``producer``; returns its key."""
+    st = local_shard(t).untyped_storage()
+    producer[st._cdata] = (weakref.ref(st), unit, layer, prefetch)
+    return st._cdata
+
+
 def scope_modules(ctx: PlanContext) -> list[nn.Module]:
     """The scope modules of the plan's swap targets outside selective layers, outermost only (Note: [swap
     scopes]): the module a target names, or the one running its op unit; a container's called modules."""
