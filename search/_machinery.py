@@ -82,12 +82,16 @@ def _at_pack(model: StepModel, p: int, recomputed: list[int]) -> bool:
     """Every recomputed unit of layer position ``p`` is recomputed at pack (Note: [recompute at pack] in
     ``adaptive_mem/runtime/_pack_recompute.py``): a module of its own, or one op of a module's code below the layer
     (Note: [single-op recompute at pack]), whose ops do not save their output, read by modules inside the layer
+    and by no other recomputed unit
     (what the profile cannot tell, random numbers, in-place writes and the op's producers, is not checked)."""
     prof, layer = model.profile, model.profile.layer_path(model.layer_of(p))
     names = {model.units[i].name: i for i in model.positions[p]}
+    again = {model.units[i].name for i in recomputed}
     for i in recomputed:
         ops = [prof.ops[o] for o in _unit_ops(model, i)]
         readers = prof.units[model.units[i].index].consumers
+        if again.intersection(readers):  # a recipe would hold a recomputed output
+            return False
         own = ops and all(op.module == model.units[i].name for op in ops)
         one_op = len(ops) == 1 and ops[0].module.startswith(layer + ".")
         if not (own or one_op) or any(op.saves_outputs for op in ops) or not readers \

@@ -269,3 +269,21 @@ def test_recompute_at_pack_beside_swaps_of_another_layer():
         assert FOOTPRINT.dispatch == 0 and _states(handle)[1].packed
         assert handle.swap_stats.offloaded_bytes > before
     assert _held(bundle, batch, mixed) == alone - out["bytes"]
+
+
+def test_a_unit_reading_another_recomputed_unit_is_not_recomputed_at_pack(monkeypatch):
+    """Note: [recompute at pack]: ``mul`` reads ``silu``'s output; with both recomputed, a recipe for ``mul`` would
+    hold ``silu``'s output, which its own recipe frees. The layer takes the selective checkpoint instead and holds
+    what that path holds (each step bit for bit)."""
+    bundle = build_model("llama-tiny", seed=0)
+    batch = bundle.batch(seed=0)
+    want = seeded_step(bundle, batch)
+    chained = _plan({"layers.0.feed_forward.w1.activation.silu": "recompute", MUL: "recompute"})
+    with optimize(bundle.model, plan=chained) as handle:
+        for step in range(2):
+            assert_same_step(seeded_step(bundle, batch), want, f"step {step}")
+        assert not _states(handle)[0].packed
+    held = _held(bundle, batch, chained)
+    monkeypatch.setattr(_selective, "pack_units", lambda *args: None)
+    monkeypatch.setattr(_selective, "op_units", lambda *args: None)
+    assert held == _held(bundle, batch, chained)

@@ -11,8 +11,8 @@ same inputs under the same grad and autocast state; an input written in place be
 
 It applies (:func:`pack_units`) when every recomputed unit of a layer without swaps is a leaf module that draws no
 random numbers, whose ops do not save what it produced (else its own node would keep the output), whose inputs
-autograd saves anyway (parameters, or storages saved in the traced call: the recipe adds no storage to what backward
-holds), whose output no op of the call writes in place, and whose readers are modules inside the layer (an own save
+autograd saves anyway (parameters, or storages saved in the traced call and made by no recomputed unit: the recipe
+adds no storage to what backward holds), whose output no op of the call writes in place, and whose readers are modules inside the layer (an own save
 through a view op escapes the trace: the unit then keeps its output, as keep would); else the layer takes the
 selective checkpoint (Note: [narrowed select recompute] in ``_sac_policy.py``). The hooks run in eager code only
 (Note: [compile honoured] in ``_op_level.py``): a compiled layer is checkpointed whole. Guarded by
@@ -63,13 +63,19 @@ def pack_units(trace: LayerTrace, actions: dict[str, str], modules: dict[str, nn
         if any(k[0] == unit for k in trace.mutated_ops):
             return None
         reads = trace.reads.get(unit, set())
-        if any(s not in trace.saved and s in trace.producers for s in reads) or reads & trace.mutated:
+        if any(s in trace.producers and not _kept(trace, s, recomputed) for s in reads) or reads & trace.mutated:
             return None
         readers = {next((p for p in paths if under(c, p)), layer_path) for c in trace.consumers.get(unit, ())}
         if not readers or layer_path in readers:
             return None
         out[unit] = sorted(readers)
     return out or None
+
+
+def _kept(trace: LayerTrace, storage: int, recomputed: list[str]) -> bool:
+    """A storage a recipe may hold at no cost: autograd saves it anyway, and it is no output of a unit recomputed
+    itself (whose saves become recipes: held by another's recipe it would stay on the device)."""
+    return storage in trace.saved and trace.producers.get(storage) not in recomputed
 
 
 class _Recipe:
@@ -211,7 +217,7 @@ def op_units(trace: LayerTrace, actions: dict[str, str], modules: dict[str, nn.M
                 or unit in trace.self_saved:
             return None
         func, storages = trace.calls[keys[0]]
-        if not storages or any(s is None or s not in trace.saved or s in trace.mutated for s in storages):
+        if not storages or any(s is None or not _kept(trace, s, recomputed) or s in trace.mutated for s in storages):
             return None
         producers = [owner(trace.producers.get(s) or layer_path) for s in storages]
         readers = sorted({owner(c) for c in trace.consumers.get(unit, ())})
