@@ -237,7 +237,8 @@ def _throughput(results: dict[str, Any]) -> list[str]:
              f"Memory {_mib(section['memory_bytes'])} MiB ({section['memory_from']}), seq {section['seq_len']}, "
              f"batch sizes tried {section['batch_sizes']}: each policy's largest batch whose measured peak fits, "
              "and its measured tokens/s; ours chooses the batch and the plan together "
-             "(`search.maximize_throughput`).", "",
+             "(`search.maximize_throughput`), its row the first of its three predicted best whose measured peak "
+             "fits.", "",
              "| policy | largest batch | tokens/s | peak (MiB) | predicted tokens/s |", "|---|---|---|---|---|"]
     for r in section["rows"]:
         if r["largest_batch"] is None or r["tokens_per_s"] is None:
@@ -273,6 +274,7 @@ def _top_three(section: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|"]
     for c in top:
         measured = f"{c['tokens_per_s']:.1f}" if c["tokens_per_s"] is not None else f"failed: {c.get('error')}"
+        measured += "" if c.get("fits", True) or c["tokens_per_s"] is None else " (over the memory)"
         spread = f"{100 * c['spread']:.1f} %" if c.get("spread") is not None else "-"
         interval = c.get("paired_interval")
         ratio = (f"{c['paired_ratio']:.4f}" + (f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else "")

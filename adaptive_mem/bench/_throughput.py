@@ -11,6 +11,12 @@ the others are interpolated between the two around them (Note: [bracketing profi
 changes with the batch, neither proportionally nor along one line); the chosen pair and the two next-best predicted batches
 are run and measured like the others (the predicted table is kept too).
 
+Note: [ours measured to fit] ours' row, like the others', is measured to fit: it is the first of the three predicted
+best whose measured peak is within the memory. The search plans up to the memory's edge and the peak model errs by a
+fraction of a percent either way (a layer's backward gradient workspace is not modelled on its own), so the predicted
+best can measure a few KB over; it is then listed as over the memory (``over_memory``), kept out of the ranking and
+the paired rounds, and the predicted best is not the measured best.
+
 With ``repeats`` (the bench's ``--repeats``), each of the three predicted best runs that many times, round robin
 (b1, b2, b3, b1, ...: load on the machine hits all three alike), each run a fresh worker; they are ranked by the
 median tokens/s, and the ranking is "resolved" only when the gap between the measured best and second is larger
@@ -88,9 +94,11 @@ def throughput_section(*, profile: Any, batch_sizes: list[int], job: Callable[..
                                          out=out, repeats=repeats)
     section["profile_alignment"] = alignment
     checked = section["ours_top_predicted"]
-    if rounds and len(checked) > 1 and all(c["status"] == "ok" for c in checked):
-        batch = result.best[0]
-        section["ours_paired"] = _paired(job("ours-milp", batch, plan=plans[0]), checked, plans, rounds, spawn)
+    fitting = [k for k, c in enumerate(checked) if c["fits"]]  # Note: [ours measured to fit]
+    if rounds and len(fitting) > 1 and all(c["status"] == "ok" for c in checked):
+        batch, first = result.best[0], fitting[0]
+        section["ours_paired"] = _paired(job("ours-milp", checked[first]["batch_size"], plan=plans[first]),
+                                         [checked[k] for k in fitting], [plans[k] for k in fitting], rounds, spawn)
         if section["ours_paired"]["status"] == "ok":  # the paired rounds' ranking replaces the processes'
             paired = section["ours_paired"]
             section.update(predicted_best_is_measured_best=paired["measured_best"] == batch,
@@ -146,20 +154,26 @@ def _ours(result: Any, head: dict[str, Any], *, profiles: dict[int, Any], memory
     makers = [lambda b=row.batch_size, p=plan: job("ours-milp", b, plan=p) for row, plan in zip(ranked, plans)]
     checked = [{"batch_size": row.batch_size, "predicted_tokens_per_s": row.tokens_per_second, **_summary(runs)}
                for row, runs in zip(ranked, _interleaved(makers, repeats, spawn))]
-    chosen = checked[0]
-    ok = chosen["status"] == "ok"
-    head["rows"].append({"policy": "ours (batch and plan together)", "name": "ours-milp", "largest_batch": batch,
-                         "tokens_per_s": chosen["tokens_per_s"], "peak_bytes": chosen["peak_bytes"],
-                         "runs_tokens_per_s": chosen["runs_tokens_per_s"], "spread": chosen["spread"],
-                         "fits": ok and chosen["peak_bytes"] <= memory, "error": chosen["error"],
-                         "predicted_tokens_per_s": result.best_row.tokens_per_second, "plan": str(path)})
+    for c in checked:
+        c["fits"] = c["status"] == "ok" and c["peak_bytes"] <= memory
+    # Note: [ours measured to fit]: past those that ran and measured over the memory (a failure stays the row)
+    k = next((k for k, c in enumerate(checked) if c["fits"] or c["status"] != "ok"), 0)
+    chosen = checked[k]
+    head["rows"].append({"policy": "ours (batch and plan together)", "name": "ours-milp",
+                         "largest_batch": chosen["batch_size"], "tokens_per_s": chosen["tokens_per_s"],
+                         "peak_bytes": chosen["peak_bytes"], "runs_tokens_per_s": chosen["runs_tokens_per_s"],
+                         "spread": chosen["spread"], "fits": chosen["fits"], "error": chosen["error"],
+                         "predicted_tokens_per_s": ranked[k].tokens_per_second, "plan": plans[k],
+                         "over_memory": [{"batch_size": c["batch_size"], "peak_bytes": c["peak_bytes"]}
+                                         for c in checked[:k]]})
     predicted = [{"batch_size": r.batch_size, "source": r.source, "fits": r.fits, "step_time": r.step_time,
                   "tokens_per_s": r.tokens_per_second, "peak_bytes": r.peak_bytes, "note": r.note}
                  for r in result.rows]
     log.info("throughput at %s:\n%s", fmt_bytes(memory), result.table())
-    best_measured = max((c for c in checked if c["tokens_per_s"] is not None), key=lambda c: c["tokens_per_s"],
+    ranked_ones = [c for c in checked if c["fits"] or c["status"] != "ok"]  # a failed run stays visible
+    best_measured = max((c for c in ranked_ones if c["tokens_per_s"] is not None), key=lambda c: c["tokens_per_s"],
                         default=None)
-    ranking, gap = _ranking(checked)
+    ranking, gap = _ranking(ranked_ones)
     section = {**head, "ours_predicted": predicted, "ours_top_predicted": checked, "profiled_sizes": sorted(profiles),
                "scaling_checks": [c.describe() for c in scaling_error(profiles)],
                "predicted_best_is_measured_best": best_measured is not None and best_measured["batch_size"] == batch,
@@ -249,6 +263,8 @@ def format_throughput(section: dict[str, Any]) -> str:
             continue
         lines.append(f"{r['policy']:>32}  {r['largest_batch']:>13}  {r['tokens_per_s']:>10.1f}  "
                      f"{r['peak_bytes'] / 2**20:>9.1f}")
+        lines += [f"{'':>32}  (batch {o['batch_size']}, predicted better, measured {o['peak_bytes'] / 2**20:.3f} MiB: "
+                  "over the memory)" for o in r.get("over_memory") or []]
     if section.get("profiled_sizes"):
         lines.append(f"ours' profiles: batches {', '.join(map(str, section['profiled_sizes']))} measured, the others "
                      "interpolated between the two around them (or extrapolated beyond them)")
@@ -262,6 +278,7 @@ def format_throughput(section: dict[str, Any]) -> str:
             runs = ", ".join("failed" if t is None else f"{t:.1f}" for t in c.get("runs_tokens_per_s") or [])
             measured = (f"median {c['tokens_per_s']:.1f} measured, spread {100 * c['spread']:.1f} %"
                         if c["tokens_per_s"] is not None else f"failed: {c.get('error')}")
+            measured += "" if c.get("fits", True) or c["tokens_per_s"] is None else ", over the memory"
             lines.append(f"  batch {c['batch_size']}: {c['predicted_tokens_per_s']:.1f} predicted / {measured} "
                          f"(runs {runs})")
         paired = section.get("ours_paired")
@@ -274,9 +291,10 @@ def format_throughput(section: dict[str, Any]) -> str:
         if paired is not None and not by_rounds:
             lines.append(f"  paired rounds in one process: failed: {paired.get('error')}")
         elif by_rounds:
+            timed = [c for c in top if "paired_ratio" in c]  # those within the memory
             lines.append(f"ours, the same batches timed in one process, {paired['rounds']} paired rounds "
-                         f"(tokens/s relative to batch {top[0]['batch_size']}, median and its 95 % interval):")
-            for c in top:
+                         f"(tokens/s relative to batch {timed[0]['batch_size']}, median and its 95 % interval):")
+            for c in timed:
                 interval = c["paired_interval"]
                 span = f" [{interval[0]:.4f}, {interval[1]:.4f}]" if interval else ""
                 lines.append(f"  batch {c['batch_size']}: median {c['paired_tokens_per_s']:.1f} tokens/s, "
