@@ -29,7 +29,9 @@ storage, an inline ``copy_`` on an accelerator stream) that the profiler's pass 
 they would shift the suffix of every later op of that label in the module call (``empty`` -> the
 executor's ``empty_2``), so a plan would decide another op than the one profiled. Machinery runs
 inside :func:`machinery_scope`, and the namer, and the recorder, skip what runs there (guarded by
-tests/test_units.py ``test_swap_machinery_ops_are_no_units``).
+tests/test_units.py ``test_swap_machinery_ops_are_no_units``). Only a Python dispatch mode sees ops to name, so a
+function decorated with the scope, called while none is entered on its thread (every step after a unit's first), runs
+without marking it (its ops reach no mode that could ask).
 
 Repeated blocks (the children of the largest homogeneous ``ModuleList``) get a
 layer index; a unit's *local name* is its name with the ``<container>.<i>.``
@@ -51,6 +53,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from ._machinery import in_machinery, machinery_scope
 from ._paths import COMPILE_CHILD, module_path, named_modules
 from ._regions import Regions
 
@@ -274,37 +277,6 @@ def _function_unit(namer: "UnitNamer") -> str | None:
         label = scope.label if seen == 0 else f"{scope.label}_{seen}"
         name = scope.names[id(namer)] = join(namer.paths[id(module)] if module is not None else "", label)
     return name
-
-
-_machinery = threading.local()
-
-
-class _MachineryScope(contextlib.ContextDecorator):
-    """One stateless scope object serves every use (the depth is thread-local): a hot path's decorator costs no
-    generator per call."""
-
-    def _recreate_cm(self) -> "_MachineryScope":
-        return self
-
-    def __enter__(self) -> None:
-        _machinery.depth = getattr(_machinery, "depth", 0) + 1
-
-    def __exit__(self, *exc: object) -> None:
-        _machinery.depth -= 1
-
-
-_MACHINERY = _MachineryScope()
-
-
-def machinery_scope() -> _MachineryScope:
-    """Ops run inside are not the model's: no unit, no suffix counted (Note: [machinery ops]). Thread-local, so a
-    copy thread's ops are outside every pass anyway. Usable with ``with`` and as a decorator."""
-    return _MACHINERY
-
-
-def in_machinery() -> bool:
-    """True inside :func:`machinery_scope` on this thread."""
-    return getattr(_machinery, "depth", 0) > 0
 
 
 _FIND = object()

@@ -156,3 +156,24 @@ def test_swap_machinery_ops_are_no_units():
     assert all(torch.equal(p.grad, w) for p, w in zip(net.parameters(), want))
     with machinery_scope():
         assert UnitNamer(net).name(torch.ops.aten.empty.memory_format) is None
+
+
+def test_machinery_marked_only_where_a_dispatch_mode_could_see_it():
+    """Note: [machinery ops]: a decorated function marks its ops inside a Python dispatch mode, and skips the mark
+    (a hot path's cost) where none is entered; ``with`` always marks."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from profiler import machinery_scope
+    from profiler._machinery import in_machinery
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    scoped = machinery_scope()(in_machinery)
+    assert scoped() is False and not in_machinery()
+    with Seen():
+        assert scoped() is True
+    assert not in_machinery()
+    with machinery_scope():
+        assert in_machinery()
