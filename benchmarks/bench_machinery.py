@@ -11,7 +11,9 @@ feed-forward units of layers 0-1 and two of layer 2: the plan ``search --maximiz
 under 20 MiB); whole-layer swap and whole-layer recompute of layers 0-2 (of the first layers up to 3 on smaller
 models). Columns: the median step, its overhead over plain, the target and whether it is met, the copy time of
 the row's swapped bytes (out and back) over plain's step (the floor of a swap row wherever its copies do not overlap
-compute: on this CPU device and host share one memory bus and copies up to 1 MiB run inline), the simulator's
+compute: on this CPU device and host share one memory bus and copies up to 1 MiB run inline), the copies in the
+step and the machinery alone (each swap row also runs a twin with its copies skipped, :func:`copies_skipped`: the
+twin over plain is the machinery, the row over its twin the copies as the step pays them), the simulator's
 prediction on the model's own profile (``--calibrate``: the profile after ``adaptive_mem.calibrate``) and its
 error, the error of the step relative to plain (predicted / predicted plain against measured / measured plain: the
 plan's overhead alone, free of the drift between the profile's timing and the rounds on a busy machine), and the
@@ -26,6 +28,7 @@ On ``--device cuda`` the steps are timed between synchronizations.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import json
@@ -34,12 +37,14 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 from adaptive_mem import build_model, calibrate, optimize, profile_step
 from adaptive_mem.runtime._footprint import FOOTPRINT
+from adaptive_mem.runtime._host_pool import MemoryHostPool
+from adaptive_mem.runtime._spill import TieredHostPool
 from search import Action, Decision, Plan, machinery_calls, maximize_throughput, simulate
 
 BATCH, SEQ = 8, 128
@@ -54,6 +59,27 @@ class Row:
     times: list[float] = field(default_factory=list)
     calls: dict[str, int] = field(default_factory=dict)
     swapped: int = 0
+    bare_times: list[float] = field(default_factory=list)
+    """A swap row's steps with its copies skipped (:func:`copies_skipped`): the machinery alone."""
+
+    @property
+    def swaps(self) -> bool:
+        return any(d.action is Action.SWAP for d in self.plan.decisions.values())
+
+
+@contextlib.contextmanager
+def copies_skipped() -> Iterator[None]:
+    """The host pools' copies out and back do nothing: every other part of a swap runs (records, hooks, buffers,
+    reload allocations), so the step times the machinery alone. The bytes are not moved: timing only."""
+    pools = (MemoryHostPool, TieredHostPool)
+    saved = [(pool, pool.write, pool.read) for pool in pools]
+    for pool in pools:
+        pool.write = pool.read = lambda self, buf, tensor, *, non_blocking: None
+    try:
+        yield
+    finally:
+        for pool, write, read in saved:
+            pool.write, pool.read = write, read
 
 
 def _swap(prefetch: int = 1) -> Decision:
@@ -126,18 +152,24 @@ def run_rows(bundle: Any, rows: list[Row], rounds: int, device: torch.device) ->
     run_variants([(row, bundle) for row in rows], rounds, device)
 
 
-def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.device) -> None:
+def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.device, *, bare: bool = True) -> None:
     """Each row's plan applied to its own copy of its bundle's model; ``rounds`` interleaved rounds of one step each,
     after two warm-up steps; each row's calls per step and swapped bytes per step from its last step."""
     runs = []
     for row, bundle in variants:
-        copy_ = copy.copy(bundle)
-        copy_.model = copy.deepcopy(bundle.model)
-        handle = optimize(copy_.model, plan=row.plan) if row.plan.decisions else None
-        runs.append((row, _stepper(copy_), handle, [bundle.batch(seed=k) for k in range(rounds + 2)]))
+        for skip in (False, True) if bare and row.swaps else (False,):  # a swap row also runs its copies skipped
+            copy_ = copy.copy(bundle)
+            copy_.model = copy.deepcopy(bundle.model)
+            handle = optimize(copy_.model, plan=row.plan) if row.plan.decisions else None
+            runs.append((row, skip, _stepper(copy_), handle, [bundle.batch(seed=k) for k in range(rounds + 2)]))
     try:
         for k in range(rounds + 2):
-            for row, step, handle, batches in runs:
+            for row, skip, step, handle, batches in runs:
+                if skip:
+                    with copies_skipped():
+                        seconds = _timed(step, batches[k], device)
+                    row.bare_times += [seconds] if k >= 2 else []
+                    continue
                 stats = handle.swap_stats if handle is not None else None
                 before = stats.offloaded_bytes if stats is not None else 0
                 FOOTPRINT.reset()
@@ -147,7 +179,7 @@ def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.dev
                 if k >= 2:
                     row.times.append(seconds)
     finally:
-        for _, _, handle, _ in runs:
+        for _, _, _, handle, _ in runs:
             if handle is not None:
                 handle.remove()
 
@@ -166,7 +198,7 @@ def throughput_check(rounds: int, device: torch.device, calibrated: bool, budget
     result = maximize_throughput(profiles=profiles, batch_sizes=list(batches), budget=budget)
     fitting = [r for r in result.rows if r.fits]
     rows = {r.batch_size: Row(f"batch {r.batch_size}", r.result.plan, "-") for r in fitting}
-    run_variants([(rows[b], bundles[b]) for b in rows], rounds, device)
+    run_variants([(rows[b], bundles[b]) for b in rows], rounds, device, bare=False)
     measured = {b: b * SEQ / statistics.median(row.times) for b, row in rows.items()}
     picked, best = result.best_row.batch_size, max(measured, key=measured.get)
     print(f"\nmaximize throughput: llama-tiny seq {SEQ} under {budget} on {device.type}, "
@@ -224,9 +256,9 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
           f"medians of {len(rows[0].times)} interleaved rounds; per call: dispatch "
           f"{profile.hardware.dispatch_call_time * 1e6:.2f} us, hook {profile.hardware.hook_call_time * 1e6:.2f} us")
     plain_predicted = simulate(profile, rows[0].plan).step_time
-    print("| plan | step ms | vs plain | target | met | copies alone | predicted ms | error | vs plain error | "
-          "dispatch (model) | pack (model) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| plan | step ms | vs plain | target | met | copies alone | copies in step | machinery alone | "
+          "predicted ms | error | vs plain error | dispatch (model) | pack (model) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         step = statistics.median(row.times)
         predicted = simulate(profile, row.plan).step_time
@@ -238,13 +270,18 @@ def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> lis
         model = machinery_calls(profile, row.plan)
         copies = copy_seconds(row.swapped, device) / plain  # the floor of a swap row where copies do not overlap
         floor = f"{copies * 100:+.1f} %" if row.swapped else "-"
-        print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {floor} | "
+        bare = statistics.median(row.bare_times) if row.bare_times else None  # the same plan, copies skipped
+        split = ((step - bare) / plain, bare / plain - 1) if bare is not None else None
+        parts = " | ".join(f"{v * 100:+.1f} %" for v in split) if split else "- | -"
+        print(f"| {row.name} | {step * 1e3:.2f} | {over * 100:+.1f} % | {reads} | {met} | {floor} | {parts} | "
               f"{predicted * 1e3:.2f} | "
               f"{error * 100:+.1f} % | {relative * 100:+.1f} % | "
               f"{row.calls.get('dispatch', 0)} ({model.dispatch}) | "
               f"{row.calls.get('pack', 0)} ({model.pack}) |")
         out.append({"model": spec, "plan": row.name, "step_ms": step * 1e3, "vs_plain": over, "target": reads,
-                    "met": met, "copies_vs_plain": copies if row.swapped else None, "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative,
+                    "met": met, "copies_vs_plain": copies if row.swapped else None,
+                    "copies_in_step_vs_plain": split and split[0], "machinery_alone_vs_plain": split and split[1],
+                    "predicted_ms": predicted * 1e3, "error": error, "relative_error": relative,
                     "calls": row.calls,
                     "calls_model": {"dispatch": model.dispatch, "pack": model.pack, "unpack": model.unpack},
                     "swapped_bytes": row.swapped, "times_ms": [t * 1e3 for t in row.times],
