@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from typing import Any, Callable
 
 import torch
@@ -39,7 +38,8 @@ from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
 from ._resolve import LayerMode
 from ._selective import swaps_inside
-from ._swap_scopes import whole_swap_prefetch
+from ._swap_engine import local_shard
+from ._swap_scopes import produced, storage_keys, whole_swap_prefetch
 
 __all__ = ["CompiledBlocks"]
 
@@ -199,8 +199,7 @@ class CompiledBlocks:
                 label = ctx.res.layers.layer_path(i)
                 for t in tree_flatten(out)[0]:
                     if isinstance(t, torch.Tensor):
-                        st = t.untyped_storage()
-                        self.swaps.producer[st._cdata] = (weakref.ref(st), label, i, prefetch)
+                        produced(self.swaps.producer, t, label, i, prefetch)
             self.swaps.on_grad_of(out, i)
             return out
 
@@ -211,11 +210,11 @@ class CompiledBlocks:
         ctx = self.ctx
         layer = ctx.layers[i]
         label = ctx.res.layers.layer_path(i)
-        inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-        frozen = {t.untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
+        inputs = storage_keys((args, kwargs))
+        frozen = {local_shard(t).untyped_storage()._cdata for t in (*layer.parameters(), *layer.buffers())}
 
         def pack(t: torch.Tensor) -> Any:
-            key = t.untyped_storage()._cdata
+            key = local_shard(t).untyped_storage()._cdata  # Note: [DTensor swap]: the local shard's storage
             if key in inputs and i not in ctx.res.input_swaps:
                 return self.swaps.pack(t)
             if isinstance(t, nn.Parameter) or key in frozen:
