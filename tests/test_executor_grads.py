@@ -127,7 +127,8 @@ def test_gradients_bit_identical(spec: str, name: str):
                 assert torch.equal(grads[key], grad), f"{name}: grad of {key} differs"
         if any(d.action.value == "swap" for d in plan.decisions.values()) and "nested-recompute" not in name:
             stats = handle.swap_stats
-            assert 0 < stats.reloaded_bytes <= stats.offloaded_bytes
+            # a swapped storage no backward unpacks is not reloaded (Note: [reload at the unpack])
+            assert 0 < stats.offloaded_bytes and stats.reloaded_bytes <= stats.offloaded_bytes
     _assert_restored(bundle.model)
 
 

@@ -169,9 +169,11 @@ def test_file_backed_host_store_moves_bytes_out_of_ram():
     assert not os.path.exists(pool.path), "swap file left behind after remove()"
 
 
-def test_plan_prefetch_stays_under_an_accounted_cap():
+def test_plan_prefetch_stays_under_an_accounted_cap(monkeypatch):
     """Note: [budget-aware prefetch]: prefetching every layer at once would pass the cap; under it
-    the plan's reloads wait for room and the step completes with the same gradients."""
+    the plan's reloads wait for room and the step completes with the same gradients. Copies on the copy thread,
+    where a reload is prefetched (Note: [reload at the unpack] in ``_copier.py``)."""
+    monkeypatch.setattr("adaptive_mem.runtime._copier.INLINE_BYTES", 0)
     bundle = build_model("llama-tiny", seed=0, batch_size=4, seq_len=128)
     batch = bundle.batch(seed=0)
 

@@ -52,9 +52,11 @@ def test_no_plan_counts_nothing():
     assert _counts(None) == {"dispatch": 0, "pack": 0, "unpack": 0, "trigger": 0}
 
 
-def test_op_level_swap_counts_dispatch_pack_and_unpack():
+def test_op_level_swap_counts_dispatch_pack_and_unpack(monkeypatch):
     # attention's core saves its unit's tensor before any module boundary: tracked at every step (Note: [scopes by
-    # their boundaries])
+    # their boundaries]); copies on the copy thread, so the reload is prefetched by a trigger (Note: [reload at the
+    # unpack] in _copier.py)
+    monkeypatch.setattr("adaptive_mem.runtime._copier.INLINE_BYTES", 0)
     counts = _counts({"layers.0.attention.flash_attention": {"action": "swap", "backward_prefetch": 1}})
     assert counts["dispatch"] > 0 and counts["pack"] > 0 and counts["unpack"] > 0 and counts["trigger"] > 0
 

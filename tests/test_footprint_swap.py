@@ -93,13 +93,22 @@ def test_a_storage_saved_inside_its_module_keeps_the_tracker():
 
 
 @pytest.mark.parametrize("prefetch, triggers", [(1, [0, 1]), (2, [0, 1, 2]), (0, [])])
-def test_backward_triggers_only_where_a_reload_is_due(prefetch, triggers):
+def test_backward_triggers_only_where_a_reload_is_due(prefetch, triggers, monkeypatch):
     """Note: [triggers where due]: a swap in layer 0 reloaded ``prefetch`` layers ahead hooks the outputs of
     layers 0 .. 0 + prefetch (the trigger and the layers a deferred reload may wait for), none above them and not
-    the model's; on demand (prefetch 0) none at all. llama-tiny has 4 layers."""
+    the model's; on demand (prefetch 0) none at all. llama-tiny has 4 layers. Copies on the copy thread, where a
+    prefetch overlaps compute (Note: [reload at the unpack] in ``_copier.py``)."""
+    monkeypatch.setattr("adaptive_mem.runtime._copier.INLINE_BYTES", 0)
     counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": prefetch}})
     assert offloaded > 0
     assert counts["trigger"] == len(triggers)
+
+
+def test_reloads_the_cpu_copier_runs_inline_need_no_trigger():
+    """Note: [reload at the unpack]: the CPU copier runs these copies inline, so the swap's reload waits for its
+    unpack: no gradient hook at all, and the step is still the plain one bit for bit (``_counts`` checks it)."""
+    counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1}})
+    assert offloaded > 0 and counts["trigger"] == 0 and counts["pack"] > 0
 
 
 def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_the_layer_end():

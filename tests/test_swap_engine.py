@@ -11,8 +11,14 @@ from adaptive_mem import DeviceMemory
 from adaptive_mem.runtime._swap_engine import SwapEngine
 
 
-def _engine(num_layers: int = 4, **kw) -> SwapEngine:
-    return SwapEngine(device="cpu", num_layers=num_layers, **kw)
+def _engine(num_layers: int = 4, *, overlapping: bool = False, **kw) -> SwapEngine:
+    """``overlapping``: every copy to the copy thread, where a reload issued ahead overlaps compute (as on a stream):
+    the prefetch triggers' work; the default copier reloads what it runs inline at the unpack (Note: [reload at the
+    unpack] in ``_copier.py``)."""
+    engine = SwapEngine(device="cpu", num_layers=num_layers, **kw)
+    if overlapping:
+        engine.copier.inline_bytes = 0
+    return engine
 
 
 def _gate(engine: SwapEngine) -> threading.Event:
@@ -52,7 +58,7 @@ def test_reload_never_races_its_own_offload():
 
 
 def test_prefetch_trigger_issues_reload_before_unpack():
-    engine = _engine(num_layers=4)
+    engine = _engine(num_layers=4, overlapping=True)
     engine.begin_forward()
     packed = {layer: engine.offload(torch.full((100,), float(layer)), label=f"l{layer}", layer=layer, prefetch=2)
               for layer in range(4)}
@@ -69,7 +75,7 @@ def test_prefetch_trigger_issues_reload_before_unpack():
 
 
 def test_skipped_trigger_still_reloads_in_time():
-    engine = _engine(num_layers=4)
+    engine = _engine(num_layers=4, overlapping=True)
     early = engine.offload(torch.ones(10), label="a", layer=0, prefetch=1)  # trigger: layer 1
     engine.on_backward(0)  # layer 1's trigger never fired (its output had no grad): issued now
     assert engine.stats.reloaded_bytes == 40 and engine.stats.on_demand_reloads == 0
@@ -144,7 +150,7 @@ def test_file_store_round_trip(tmp_path):
 
 def test_budget_aware_prefetch_issues_only_what_fits_and_the_rest_on_demand():
     """Note: [budget-aware prefetch]: a prefetch never takes room the step does not have."""
-    engine = _engine(num_layers=4)
+    engine = _engine(num_layers=4, overlapping=True)
     room = {"free": 900}
     engine.headroom = lambda: room["free"]
     engine.prefetch_reserve = 100
@@ -163,7 +169,7 @@ def test_budget_aware_prefetch_issues_only_what_fits_and_the_rest_on_demand():
 
 
 def test_evict_drops_an_unused_prefetch_and_it_comes_back_exact():
-    engine = _engine(num_layers=2)
+    engine = _engine(num_layers=2, overlapping=True)
     with DeviceMemory(track_existing=False) as mem:
         t = torch.arange(2500, dtype=torch.float32)
         packed = engine.offload(t, label="x", layer=0, prefetch=2)
@@ -211,3 +217,27 @@ def test_a_rescue_inside_a_reload_allocation_does_not_deadlock():
             assert torch.equal(first.unpack(), expected)
     finally:
         engine.close()
+
+
+def test_a_reload_the_copier_runs_inline_waits_for_its_unpack():
+    """Note: [reload at the unpack]: on the CPU copier a reload it would run inline is no prefetch (it would overlap
+    nothing): no trigger is due, a trigger issues nothing, the unpack reloads exactly, and that counts as no
+    on-demand reload; a copy above the inline size still prefetches."""
+    engine = _engine(num_layers=4)
+    engine.begin_forward()
+    small = engine.offload(torch.full((100,), 2.0), label="small", layer=0, prefetch=1)
+    assert not engine.wants_trigger(0)  # no trigger due anywhere
+    engine.copier.inline_bytes = 100  # the next one (400 bytes) is above the inline size
+    large = engine.offload(torch.full((100,), 3.0), label="large", layer=1, prefetch=1)
+    engine.end_forward()
+    assert small.record.at_unpack and not large.record.at_unpack
+    assert engine.wants_trigger(2) and not engine.wants_trigger(3)  # the large record's trigger only
+    engine.on_backward(4)
+    engine.on_backward(2)
+    assert engine.stats.reloaded_bytes == 400  # the large one, prefetched at layer 2's trigger
+    engine.on_backward(1)
+    engine.on_backward(0)
+    assert engine.stats.reloaded_bytes == 400  # the small one waits for its unpack
+    assert torch.equal(large.unpack(), torch.full((100,), 3.0)) and torch.equal(small.unpack(), torch.full((100,), 2.0))
+    assert engine.stats.reloaded_bytes == 800 and engine.stats.on_demand_reloads == 0
+    engine.close()

@@ -94,6 +94,10 @@ class Copier:
     def reap(self) -> None:
         """Run ``on_done`` of copies that have landed."""
 
+    def overlaps(self, nbytes: int) -> bool:
+        """Whether a copy of ``nbytes`` issued ahead of its use can overlap compute (Note: [reload at the unpack])."""
+        return True
+
     def close(self) -> None:
         pass
 
@@ -113,8 +117,8 @@ class ThreadCopier(Copier):
     shared handle :data:`LANDED`; larger copies, copies of unknown size and copies submitted behind a pending one go
     to the thread in issue order (tests/test_copier.py)."""
 
-    def __init__(self, inline_bytes: int = INLINE_BYTES) -> None:
-        self.inline_bytes = inline_bytes
+    def __init__(self, inline_bytes: int | None = None) -> None:
+        self.inline_bytes = INLINE_BYTES if inline_bytes is None else inline_bytes
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._pending = 0  # copies given to the thread and not finished (written under ``_lock``)
@@ -144,6 +148,15 @@ class ThreadCopier(Copier):
             self._pending += 1
         self._queue.put(copy)
         return copy
+
+    def overlaps(self, nbytes: int) -> bool:
+        """Note: [reload at the unpack]. A copy this copier runs inline overlaps nothing, wherever it is issued; a
+        reload issued a layer ahead of its unpack then only brings its bytes in early, and they are cold again by
+        the unpack (the layers between run their backward): on the 2-core VM a whole-layer swap of llama-tiny's
+        layers 0-2 cost +7.2 % over plain with each reload a layer ahead, +3.9 % with each at its unpack
+        (benchmarks/README "The floor under the swap engine"). So the engine reloads what this copier would run
+        inline at the unpack (tests/test_swap_engine.py)."""
+        return nbytes > self.inline_bytes
 
     def _run(self) -> None:
         while True:

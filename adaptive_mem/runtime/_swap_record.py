@@ -28,7 +28,8 @@ class SwapStats:
     """Unpacks that had to wait for their reload (``wait_seconds`` in all)."""
     wait_seconds: float = 0.0
     on_demand_reloads: int = 0
-    """Reloads issued at unpack time (prefetch 0 or a trigger that never fired)."""
+    """Reloads issued at unpack time for want of a prefetch (prefetch 0 or a trigger that never fired); not those a
+    copier that runs them inline makes at the unpack by design (Note: [reload at the unpack] in ``_copier.py``)."""
     spilled_bytes: int = 0
     """Of ``offloaded_bytes``, those that went to the disk tier (beyond the host memory budget)."""
 
@@ -39,7 +40,8 @@ class Record:
     one lock per engine would deadlock there (tests/test_swap_engine.py)."""
 
     __slots__ = ("engine", "label", "layer", "nbytes", "device", "src", "src_ref", "version", "host", "d2h", "h2d",
-                 "dst", "handles", "copying", "error", "reloaded", "served", "dead", "lock", "__weakref__")
+                 "dst", "handles", "copying", "error", "reloaded", "served", "dead", "lock", "at_unpack",
+                 "__weakref__")
 
     def __init__(self, engine: Any, src: torch.Tensor, nbytes: int, label: str, layer: int) -> None:
         self.engine, self.label, self.layer, self.nbytes, self.device = engine, label, layer, nbytes, src.device
@@ -55,6 +57,8 @@ class Record:
         self.served = False  # an unpack has rebuilt a tensor on ``dst``
         self.dead = False  # the last handle died: copies cancelled or done, host buffer released
         self.lock = threading.RLock()  # Note: [a lock per record]
+        self.at_unpack = False  # reloaded at its unpack by design, not for want of a trigger (Note: [reload at the
+        # unpack] in ``_copier.py``)
 
     def offload(self) -> None:
         engine = self.engine
@@ -134,7 +138,7 @@ class Record:
     def storage(self) -> torch.UntypedStorage:
         engine = self.engine
         if self.h2d is None:
-            engine.stats.on_demand_reloads += 1
+            engine.stats.on_demand_reloads += not self.at_unpack
             self.reload()
         waited = engine.copier.wait(self.h2d)
         if waited > 0:
