@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from adaptive_mem import build_model, optimize
+from profiler.naming import find_layers
 from search import Action, Decision, Plan
 
 BATCH, SEQ = 8, 128
@@ -150,15 +151,15 @@ def floor_hooks(ext: Any, model: Any, layers: list[Any]) -> None:
 
 
 def _variants(bundle: Any, ext: Any) -> list[tuple[str, Any, Any]]:
-    count = min(3, len(_layers(bundle.model)))
-    span = f"layers 0-{count - 1}"
+    info = find_layers(bundle.model)
+    paths = [info.layer_path(i) for i in range(min(3, info.count))]
+    span = f"layers 0-{len(paths) - 1}"
     out = []
     for name in ("plain", f"runtime's whole-layer swap of {span}", f"C++ pack/unpack of {span} (the floor)"):
         copy_ = copy.copy(bundle)
         copy_.model = copy.deepcopy(bundle.model)
-        layers = list(_layers(copy_.model))[:count]
+        layers = [copy_.model.get_submodule(p) for p in paths]
         if name.startswith("runtime"):
-            paths = [n for n, m in copy_.model.named_modules() if any(m is layer for layer in layers)]
             optimize(copy_.model, plan=Plan(decisions={p: Decision(Action.SWAP, backward_prefetch=1) for p in paths}))
         elif name.startswith("C++"):
             floor_hooks(ext, copy_.model, layers)
@@ -195,15 +196,6 @@ def run_model(spec: str, rounds: int, ext: Any) -> None:
     for name, _, _ in variants:
         step = statistics.median(times[name])
         print(f"| {name} | {step * 1e3:.2f} | {(step / base - 1) * 100:+.1f} % |")
-
-
-def _layers(model: Any) -> Any:
-    """The model's repeated layers (``model.layers`` or ``model.model.layers``, a Hugging Face model's)."""
-    for owner in (model, getattr(model, "model", None)):
-        layers = getattr(owner, "layers", None)
-        if isinstance(layers, torch.nn.ModuleList):
-            return layers
-    raise ValueError(f"{type(model).__name__}: no layers found")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -388,4 +388,3 @@ def test_bench_throughput_section_names_its_profiles_and_checks_the_scaling(tiny
     assert sources == {1: "profiled", 2: "profiled", 3: "interpolated between batches 2, 4", 4: "profiled"}
     text = format_throughput(section)
     assert "ours' profiles: batches 1, 2, 4 measured" in text and f"  {check}" in text
-

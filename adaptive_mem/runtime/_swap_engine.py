@@ -128,11 +128,12 @@ class SwapEngine:
         record = Record(self, t, st.nbytes(), label, layer)
         record.offload()
         self._by_storage[key] = (weakref.ref(st), record)
-        if prefetch > 0 and not self.copier.overlaps(record.nbytes):
-            record.at_unpack = True  # Note: [reload at the unpack] in ``_copier.py``
-        elif prefetch > 0:
-            trigger = min(layer + prefetch, self.num_layers)
-            self._pending.setdefault(trigger, []).append(weakref.ref(record))
+        if prefetch > 0:
+            if self.copier.overlaps(record.nbytes):
+                trigger = min(layer + prefetch, self.num_layers)
+                self._pending.setdefault(trigger, []).append(weakref.ref(record))
+            else:  # Note: [reload at the unpack] in ``_copier.py``
+                record.at_unpack = True
         return Packed(record, t, dtensor)
 
     # ------------------------------------------------------------------ backward
