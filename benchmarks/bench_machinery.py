@@ -68,18 +68,24 @@ class Row:
 
 
 @contextlib.contextmanager
-def copies_skipped() -> Iterator[None]:
-    """The host pools' copies out and back do nothing: every other part of a swap runs (records, hooks, buffers,
-    reload allocations), so the step times the machinery alone. The bytes are not moved: timing only."""
+def copies_skipped(handle: Any) -> Iterator[None]:
+    """The copies out and back do nothing, the host pools' and the native store's of ``handle``'s engine: every
+    other part of a swap runs (records, hooks, buffers, reload allocations), so the step times the machinery alone.
+    The bytes are not moved: timing only."""
     pools = (MemoryHostPool, TieredHostPool)
     saved = [(pool, pool.write, pool.read) for pool in pools]
+    store = handle._executor.engine.store  # Note: [native swap records]
     for pool in pools:
         pool.write = pool.read = lambda self, buf, tensor, *, non_blocking: None
+    if store is not None:
+        store.skip_copies = True
     try:
         yield
     finally:
         for pool, write, read in saved:
             pool.write, pool.read = write, read
+        if store is not None:
+            store.skip_copies = False
 
 
 def _swap(prefetch: int = 1) -> Decision:
@@ -166,7 +172,7 @@ def run_variants(variants: list[tuple[Row, Any]], rounds: int, device: torch.dev
         for k in range(rounds + 2):
             for row, skip, step, handle, batches in runs:
                 if skip:
-                    with copies_skipped():
+                    with copies_skipped(handle):
                         seconds = _timed(step, batches[k], device)
                     row.bare_times += [seconds] if k >= 2 else []
                     continue

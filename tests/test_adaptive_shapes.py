@@ -120,6 +120,8 @@ def test_offloads_landing_late_are_waited_for_not_rescued(llama, monkeypatch):
     from adaptive_mem.runtime._copier import ThreadCopier
 
     submit = ThreadCopier.submit
+    # every copy through the copy thread: no native records (Note: [native swap records]), none inline
+    monkeypatch.setattr("adaptive_mem.runtime._swap_engine.native_store", lambda *args: None)
     monkeypatch.setattr(ThreadCopier, "submit", lambda self, fn, on_done=None, *size, **sizes: submit(
         self, lambda non_blocking: (time.sleep(0.003), fn(non_blocking))[1], on_done))  # no size: on the thread
     grads, _ = llama

@@ -119,7 +119,7 @@ def test_a_late_plan_offload_is_waited_for_not_rescued():
 
     b = bundle()
     manager = SwapManager(b.model)
-    engine = SwapEngine(device="cpu", num_layers=1)
+    engine = SwapEngine(device="cpu", num_layers=1, native=False)  # a Python record: its copy can lag
     gate = threading.Event()
     engine.copier.submit(lambda non_blocking: gate.wait(5.0))  # the copy thread is busy: the offload lags
     with DeviceMemory(track_existing=False) as mem:

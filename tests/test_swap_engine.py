@@ -1,4 +1,6 @@
-"""SwapEngine on its own: storage-level copies, prefetch triggers, the known offloader failure modes."""
+"""SwapEngine on its own, its Python records: storage-level copies, prefetch triggers, the known offloader failure
+modes. The records of accelerators, of copies above the CPU's inline size, of the file store and of the rescues;
+the CPU's native records (Note: [native swap records]) are tests/test_native_swap.py's."""
 
 from __future__ import annotations
 
@@ -11,11 +13,11 @@ from adaptive_mem import DeviceMemory
 from adaptive_mem.runtime._swap_engine import SwapEngine
 
 
-def _engine(num_layers: int = 4, *, overlapping: bool = False, **kw) -> SwapEngine:
+def _engine(num_layers: int = 4, *, overlapping: bool = False, native: bool = False, **kw) -> SwapEngine:
     """``overlapping``: every copy to the copy thread, where a reload issued ahead overlaps compute (as on a stream):
     the prefetch triggers' work; the default copier reloads what it runs inline at the unpack (Note: [reload at the
     unpack] in ``_copier.py``)."""
-    engine = SwapEngine(device="cpu", num_layers=num_layers, **kw)
+    engine = SwapEngine(device="cpu", num_layers=num_layers, native=native, **kw)
     if overlapping:
         engine.copier.inline_bytes = 0
     return engine
@@ -193,7 +195,7 @@ def test_evict_drops_an_unused_prefetch_and_it_comes_back_exact():
 def test_a_rescue_inside_a_reload_allocation_does_not_deadlock():
     """Note: [a lock per record]: the reload of one record allocates under its lock; the out-of-memory hook it runs
     swaps another storage out on the copy thread and waits for it, which takes that record's lock."""
-    engine = SwapEngine(device="cpu", num_layers=1)
+    engine = SwapEngine(device="cpu", num_layers=1, native=False)
     engine.copier.inline_bytes = 0  # every copy on the copy thread
     landed: list[bool] = []
     try:

@@ -82,7 +82,7 @@ class SwapManager:
         self.layers_info = (structure.of_model(model) if structure is not None else ModelStructure.of(model)).layers
         self.layers = ([model.get_submodule(self.layers_info.layer_path(i)) for i in range(self.layers_info.count)]
                        if self.layers_info else [])
-        self.engine = SwapEngine(device=self.device, num_layers=len(self.layers), host_budget=host_budget)
+        self.engine = SwapEngine(device=self.device, num_layers=len(self.layers), host_budget=host_budget, native=False)
         if isinstance(self.engine.copier, ThreadCopier):  # a rescue copies inside the allocation that asked, while
             self.engine.copier.inline_bytes = 0  # a step is profiled: inline, the profile counted more beside it
         self.stats = ManagerStats()

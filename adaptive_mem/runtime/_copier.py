@@ -83,6 +83,10 @@ class Copier:
         """Make the compute stream (or thread) wait for ``copy``; returns the seconds blocked."""
         raise NotImplementedError
 
+    inline_bytes = 0
+    """Copies of known size up to this run inline in ``submit`` (Note: [inline copies]); 0: none does. The swap
+    engine's native records take the storages up to it (Note: [native swap records] in ``_swap_store.cpp``)."""
+
     asynchronous_issue = False
     """True when a submitted copy may still be running on the device after ``submit`` returned
     without the host knowing (streams); a queued-but-unstarted copy can then not be cancelled."""

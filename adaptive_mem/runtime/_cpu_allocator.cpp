@@ -1,4 +1,5 @@
-// The CPU allocator hook behind adaptive_mem.DeviceMemory (built by _cpu_allocator.py at first use).
+// The CPU allocator hook behind adaptive_mem.DeviceMemory (built by _cpu_allocator.py at first use, into one
+// extension with the CPU swap store, _swap_store.cpp).
 //
 // A c10::Allocator installed with c10::SetCPUAllocator in front of the allocator it replaces. Every
 // allocation carries a 64-byte header (before the data, so the DataPtr stays "simple": context ==
@@ -503,6 +504,12 @@ class Handle {
 
 }  // namespace
 
+namespace adaptive_mem_native {  // for _swap_store.cpp
+void host_enter() { ++t_host; }
+void host_exit() { --t_host; }
+void bind_swap_store(py::module_& m);
+}  // namespace adaptive_mem_native
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "adaptive_mem's counting CPU allocator";
   pthread_atfork(nullptr, nullptr, &after_fork_in_child);
@@ -532,4 +539,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("clear_faults", &Handle::clear_faults)
       .def("own_thread", &Handle::own_thread)
       .def("foreign_freed", &Handle::foreign_freed);
+  adaptive_mem_native::bind_swap_store(m);
 }

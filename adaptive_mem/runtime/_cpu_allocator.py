@@ -1,4 +1,5 @@
-"""Build (once, at first use) and load the counting CPU allocator in ``_cpu_allocator.cpp``.
+"""Build (once, at first use) and load the native extension: the counting CPU allocator in ``_cpu_allocator.cpp``
+and the CPU swap store in ``_swap_store.cpp`` (Note: [native swap records]).
 
 The extension is compiled with ``torch.utils.cpp_extension.load`` (g++ and ninja, no network) into
 ``$TORCH_EXTENSIONS_DIR/<name>`` when that is set, else ``$XDG_CACHE_HOME/adaptive-mem/extensions/<name>``
@@ -22,7 +23,7 @@ import torch
 
 __all__ = ["load_extension", "extension_name", "build_directory"]
 
-_SOURCE = Path(__file__).with_name("_cpu_allocator.cpp")
+_SOURCES = [Path(__file__).with_name(name) for name in ("_cpu_allocator.cpp", "_swap_store.cpp")]
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: RuntimeError | None = None
@@ -30,7 +31,8 @@ _error: RuntimeError | None = None
 
 def extension_name() -> str:
     digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
     digest.update(torch.__version__.encode())
     digest.update(sys.version.encode())
     return f"adaptive_mem_cpu_alloc_{digest.hexdigest()[:12]}"
@@ -78,7 +80,7 @@ def _build(name: str, directory: Path) -> ModuleType:
     old_path = os.environ.get("PATH")
     os.environ["PATH"] = _ninja_on_path()
     try:
-        module = load(name=name, sources=[str(_SOURCE)], build_directory=str(directory),
+        module = load(name=name, sources=[str(source) for source in _SOURCES], build_directory=str(directory),
                       extra_cflags=["-O2", "-std=c++17"], verbose=False)
     finally:
         if old_path is None:

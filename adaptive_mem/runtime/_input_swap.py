@@ -24,7 +24,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ._footprint import FOOTPRINT
-from ._swap_engine import Packed, SwapEngine, no_cycle
+from ._native_swap import is_handle
+from ._swap_engine import SwapEngine, no_cycle
 
 __all__ = ["swapped_input_checkpoint"]
 
@@ -56,4 +57,4 @@ def swapped_input_checkpoint(fn: Callable[..., Any], *args: Any, engine: SwapEng
 
 def unpack_saved(x: Any) -> Any:
     FOOTPRINT.unpack += 1
-    return x.unpack() if isinstance(x, Packed) else x
+    return x.unpack() if is_handle(x) else x

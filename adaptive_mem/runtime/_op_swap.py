@@ -43,7 +43,8 @@ from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
-from ._swap_engine import Packed, local_shard, no_cycle
+from ._native_swap import is_handle
+from ._swap_engine import local_shard, no_cycle
 from ._scope_marks import ScopeMarks
 from ._swap_scopes import (Outer, Tracker, outer_hooks, outputs, pass_outward, produced, scope_modules, storage_keys,
                            whole_layers)
@@ -293,7 +294,7 @@ class OpSwaps:
         outer = self.outer if self.hooks is not None else None
         return pass_outward(t, outer)  # Note: [scope hooks chain outward]
 
-    def _swap(self, t: torch.Tensor) -> Packed | None:
+    def _swap(self, t: torch.Tensor) -> Any:
         """``t`` offloaded where a swap unit (or a layer swapped as a whole) saves it, else None."""
         plain = type(t) is torch.Tensor
         if not plain and isinstance(t, nn.Parameter):
@@ -339,7 +340,7 @@ class OpSwaps:
         FOOTPRINT.unpack += 1
         if isinstance(x, Outer):
             return x.unpack(x.packed)
-        return x.unpack() if isinstance(x, Packed) else x
+        return x.unpack() if is_handle(x) else x
 
     def push(self) -> None:
         if not torch.is_grad_enabled():

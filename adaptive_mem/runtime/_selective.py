@@ -53,7 +53,6 @@ from ._plan_context import PlanContext
 from ._resolve import decide, is_collective_unit, kept_collectives
 from ._sac_policy import (LayerTrace, OpCounter, SacPolicy, TablePolicy, is_dtensor, region_path, trace_layer,
                           under)
-from ._swap_engine import Packed
 
 __all__ = ["SacLayer", "SelectiveLayers", "swaps_inside"]
 
@@ -69,8 +68,8 @@ def swaps_inside(plan: Plan, path: str) -> bool:
 class _SwappedEntry:
     """Stands in a selective-checkpoint cache slot for a swapped output; reloads on first use."""
 
-    def __init__(self, packed: Packed) -> None:
-        self.packed: Packed | None = packed
+    def __init__(self, packed: Any) -> None:
+        self.packed: Any = packed  # the swap engine's handle
 
     def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
         packed, self.packed = self.packed, None

@@ -8,7 +8,9 @@ unpack rebuilds the view (dtype, size, stride, offset) on the reloaded
 storage. Reloads are issued by backward triggers (``backward_prefetch``
 layers ahead) or on demand at unpack; unpack blocks only if the reload is
 late. Host buffers return to the pool as soon as their bytes are back on the
-device, so nothing leaks across steps.
+device, so nothing leaks across steps. On the CPU, a storage up to the copier's
+inline size gets a record in C++ instead (Note: [native swap records] in
+``_swap_store.cpp``), with the same rules and no Python per storage.
 
 Note: [dead record]. A record serves the saves of its storage until its last handle dies, then drops
 its copy and host buffer for good; a later save of the storage in the same forward gets a new record
@@ -42,6 +44,7 @@ from profiler.tracing import local_shard, no_cycle
 
 from ._copier import make_copier
 from ._host_pool import FileHostPool, HostPool
+from ._native_swap import NativeStats, close_store, native_store
 from ._spill import HostBudget, TieredHostPool
 from ._swap_record import Packed, Record, SwapStats
 
@@ -63,10 +66,11 @@ log = logging.getLogger(__name__)
 
 
 class SwapEngine:
-    """Offloads storages, keeps prefetch schedules, serves unpacks. One per optimized model."""
+    """Offloads storages, keeps prefetch schedules, serves unpacks. One per optimized model. With ``native=False``
+    every save gets a Python record (the SwapManager's rescues wait on their records' copies)."""
 
     def __init__(self, *, device: torch.device | str, num_layers: int, host_store: str = "memory",
-                 host_dir: str | None = None, host_budget: HostBudget | None = None) -> None:
+                 host_dir: str | None = None, host_budget: HostBudget | None = None, native: bool = True) -> None:
         self.device = torch.device(device)
         self.num_layers = num_layers
         if host_store == "file":
@@ -81,9 +85,13 @@ class SwapEngine:
             raise ValueError(f"host_store={host_store!r}: expected 'memory' or 'file'")
         self.tiered = isinstance(self.pool, TieredHostPool)
         self.copier = make_copier(self.device)
+        self.store = native_store(self.device, self.pool.budget) if native and self.tiered else None
+        """Note: [native swap records] in ``_swap_store.cpp``: the C++ records of the saves it takes (CPU only)."""
         self._layer: int | None = None  # the layer of the offloads submitted since the last flush
         self.triggering = False  # in a backward trigger (until the next flush): its reloads start together
-        self.stats = SwapStats()
+        self.stats = SwapStats() if self.store is None else NativeStats(self.store)
+        self._close_store = None if self.store is None else weakref.finalize(self, close_store, self.store,
+                                                                              self.pool.budget)
         self._by_storage: dict[int, tuple[Any, Record]] = {}
         self._pending: dict[int, list[weakref.ref]] = {}
         self._reloads: list[weakref.ref] = []
@@ -94,12 +102,16 @@ class SwapEngine:
 
     # ------------------------------------------------------------------ forward
     def begin_forward(self) -> None:
+        if self.store is not None:
+            self.store.new_forward()
         self._by_storage.clear()
         self._reloads.clear()
         self.flush()
         self.copier.reap()
 
     def end_forward(self) -> None:
+        if self.store is not None:
+            self.store.new_forward()
         self._by_storage.clear()
         self.flush()
 
@@ -107,9 +119,20 @@ class SwapEngine:
         self._layer, self.triggering = None, False
         self.copier.flush()
 
+    def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Any:
+        """Start copying ``t``'s storage to the host; returns the handle autograd keeps (its ``unpack()`` gives
+        the tensor back): a native store's where it takes the save (Note: [native swap records]), else a
+        :class:`Packed` on a Python record."""
+        store = self.store
+        if store is not None and type(t) is torch.Tensor:
+            handle = store.offload(t, label, prefetch > 0, self.copier.inline_bytes)
+            if handle is not None:
+                return handle
+        return self._offload(t, label=label, layer=layer, prefetch=prefetch)
+
     @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
-    def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
-        """Start copying ``t``'s storage to the host; returns the handle autograd keeps.
+    def _offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:
+        """The Python record's offload.
 
         Note: [DTensor swap] a DTensor's local shard is what is copied (its own storage is an empty wrapper); the
         unpack wraps the reloaded shard in the same layout (tests/test_parallel_exec.py: offloaded bytes are the
@@ -194,6 +217,8 @@ class SwapEngine:
         return freed
 
     def close(self) -> None:
+        if self._close_store is not None:
+            self._close_store()
         self.copier.close()
         self._pending.clear()
         self._by_storage.clear()
@@ -203,8 +228,8 @@ class SwapEngine:
 
     @property
     def host_bytes(self) -> int:
-        """Host bytes the pool holds (in use or free)."""
-        return self.pool.allocated_bytes
+        """Host bytes the pool and the native store hold (in use or free)."""
+        return self.pool.allocated_bytes + (self.store.counts()["allocated_bytes"] if self.store is not None else 0)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("a SwapEngine cannot be copied or pickled (it owns a copy thread and host buffers); a model "
