@@ -38,7 +38,7 @@ def test_views_of_one_storage_share_one_copy_and_come_back_exact():
     handles = [engine.offload(v, label="a", layer=0, prefetch=1) for v in (view_a, view_b, view_a)]
     assert all(_native(h) for h in handles)
     assert engine.stats.offloaded_bytes == base.untyped_storage().nbytes()
-    assert engine.store.counts()["records"] == 1
+    assert engine.store.records == 1
     del base, view_a, view_b
     out_a, out_b, out_a2 = (h.unpack() for h in handles)
     assert torch.equal(out_a, expected.t()) and out_a.stride() == expected.t().stride()
@@ -63,7 +63,7 @@ def test_device_bytes_leave_with_the_save_and_come_back_at_the_unpack():
         del out, handle
         gc.collect()
         assert mem.live == 0
-    assert engine.store.counts()["in_use_bytes"] == 0
+    assert engine.store.in_use_bytes == 0
     engine.close()
 
 
@@ -75,7 +75,7 @@ def test_a_storage_saved_again_after_its_first_save_died_gets_a_new_record():
     first = engine.offload(indices, label="router", layer=0, prefetch=1)
     del first
     again = engine.offload(indices, label="router", layer=0, prefetch=1)
-    assert engine.store.counts()["records"] == 2
+    assert engine.store.records == 2
     assert torch.equal(again.unpack(), torch.arange(64, dtype=torch.int64).reshape(32, 2))
     engine.close()
 
@@ -92,7 +92,7 @@ def test_host_buffers_are_reused_across_steps_and_given_back_on_close():
             h.unpack()
         del handles
         sizes.append(engine.host_bytes)
-        assert engine.store.counts()["in_use_bytes"] == 0
+        assert engine.store.in_use_bytes == 0
     assert set(sizes) == {sum(64 * (i + 1) * 4 for i in range(4))} and budget.used == sizes[0]
     engine.close()
     assert budget.used == 0
@@ -167,8 +167,8 @@ def test_a_planned_whole_layer_swap_runs_through_the_native_records_bit_for_bit(
         grads.append([p.grad for p in spec.model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
     stats, store = handle.swap_stats, handle._executor.engine.store
-    assert store.counts()["records"] > 0 and stats.offloaded_bytes == stats.reloaded_bytes > 0
-    assert store.counts()["in_use_bytes"] == 0 and handle.host_bytes == store.counts()["allocated_bytes"]
+    assert store.records > 0 and stats.offloaded_bytes == stats.reloaded_bytes > 0
+    assert store.in_use_bytes == 0 and handle.host_bytes == store.allocated_bytes
     handle.remove()
 
 

@@ -46,10 +46,10 @@ def _live(name: str) -> property:
     """A counter of the Python records plus the native store's: ``+=`` on it adds to the Python part."""
 
     def get(self: "NativeStats") -> int:
-        return self._own[name] + self._store.counts()[name]
+        return self._own[name] + getattr(self._store, name)
 
     def set_(self: "NativeStats", value: int) -> None:
-        self._own[name] = value - self._store.counts()[name]
+        self._own[name] = value - getattr(self._store, name)
 
     return property(get, set_)
 

@@ -229,7 +229,7 @@ class SwapEngine:
     @property
     def host_bytes(self) -> int:
         """Host bytes the pool and the native store hold (in use or free)."""
-        return self.pool.allocated_bytes + (self.store.counts()["allocated_bytes"] if self.store is not None else 0)
+        return self.pool.allocated_bytes + (self.store.allocated_bytes if self.store is not None else 0)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise TypeError("a SwapEngine cannot be copied or pickled (it owns a copy thread and host buffers); a model "

@@ -64,9 +64,10 @@ struct Store : std::enable_shared_from_this<Store> {
   std::unordered_map<int64_t, std::vector<at::Tensor>> free;  // host buffers by size
   std::unordered_map<c10::StorageImpl*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::weak_ptr<Stored>>>
       seen;  // this forward's records; the weak reference keeps the StorageImpl's address from being reused
-  int64_t allocated = 0, in_use = 0;      // host bytes: all buffers / those holding a copy
-  int64_t offloaded = 0, reloaded = 0;    // bytes copied out / back (cumulative)
-  int64_t on_demand = 0, records = 0;     // reloads for want of a prefetch; records made (cumulative)
+  // read from Python as attributes of the same names (the swap statistics, the host bytes)
+  int64_t allocated_bytes = 0, in_use_bytes = 0;    // host bytes: all buffers / those holding a copy
+  int64_t offloaded_bytes = 0, reloaded_bytes = 0;  // bytes copied out / back (cumulative)
+  int64_t on_demand_reloads = 0, records = 0;       // reloads for want of a prefetch; records made (cumulative)
   bool closed = false;
   bool skip_copies = false;  // timing only (benchmarks/bench_machinery.py): the bytes are not moved
 
@@ -79,7 +80,7 @@ struct Store : std::enable_shared_from_this<Store> {
       if (it != free.end() && !it->second.empty()) {
         at::Tensor buf = std::move(it->second.back());
         it->second.pop_back();
-        in_use += n;
+        in_use_bytes += n;
         return buf;
       }
     }
@@ -96,8 +97,8 @@ struct Store : std::enable_shared_from_this<Store> {
     }
     adaptive_mem_native::host_exit();
     std::lock_guard<std::mutex> lock(mu);
-    allocated += n;
-    in_use += n;
+    allocated_bytes += n;
+    in_use_bytes += n;
     return buf;
   }
 
@@ -105,12 +106,12 @@ struct Store : std::enable_shared_from_this<Store> {
     const int64_t n = buf.numel();
     {
       std::lock_guard<std::mutex> lock(mu);
-      in_use -= n;
+      in_use_bytes -= n;
       if (!closed) {
         free[n].push_back(std::move(buf));
         return;
       }
-      allocated -= n;
+      allocated_bytes -= n;
     }
     buf.reset();
     if (Py_IsInitialized()) {  // closed: the bytes go back to the budget
@@ -147,8 +148,8 @@ struct Handle {  // what autograd holds for one save
       Store& store = *s.store;
       {
         std::lock_guard<std::mutex> lock(store.mu);
-        store.reloaded += s.nbytes;
-        store.on_demand += s.on_demand;
+        store.reloaded_bytes += s.nbytes;
+        store.on_demand_reloads += s.on_demand;
       }
       store.release(std::move(s.host));
     }
@@ -176,7 +177,7 @@ py::object Store::offload(const at::Tensor& t, const std::string& label, bool pr
     stored = std::make_shared<Stored>(shared_from_this(), std::move(host), n, t, !prefetch, label);
     std::lock_guard<std::mutex> lock(mu);
     seen.insert_or_assign(impl, std::make_pair(st.getWeakStorageImpl(), std::weak_ptr<Stored>(stored)));
-    offloaded += n;
+    offloaded_bytes += n;
     records += 1;
   }
   return py::cast(Handle{std::move(stored), t.scalar_type(), t.sizes().vec(), t.strides().vec(),
@@ -197,7 +198,7 @@ int64_t Store::close() {  // drops the free buffers; returns their bytes (for th
       }
     }
     free.clear();
-    allocated -= bytes;
+    allocated_bytes -= bytes;
   }
   return bytes;
 }
@@ -222,17 +223,12 @@ void bind_swap_store(py::module_& m) {
       })
       .def("close", &Store::close)
       .def_readwrite("skip_copies", &Store::skip_copies)
-      .def("counts", [](Store& s) {
-        std::lock_guard<std::mutex> lock(s.mu);
-        py::dict d;
-        d["offloaded_bytes"] = s.offloaded;
-        d["reloaded_bytes"] = s.reloaded;
-        d["on_demand_reloads"] = s.on_demand;
-        d["records"] = s.records;
-        d["allocated_bytes"] = s.allocated;
-        d["in_use_bytes"] = s.in_use;
-        return d;
-      });
+      .def_readonly("offloaded_bytes", &Store::offloaded_bytes)
+      .def_readonly("reloaded_bytes", &Store::reloaded_bytes)
+      .def_readonly("on_demand_reloads", &Store::on_demand_reloads)
+      .def_readonly("records", &Store::records)
+      .def_readonly("allocated_bytes", &Store::allocated_bytes)
+      .def_readonly("in_use_bytes", &Store::in_use_bytes);
 }
 
 }  // namespace adaptive_mem_native
