@@ -104,11 +104,15 @@ def test_backward_triggers_only_where_a_reload_is_due(prefetch, triggers, monkey
     assert counts["trigger"] == len(triggers)
 
 
-def test_reloads_the_cpu_copier_runs_inline_need_no_trigger():
+@pytest.mark.parametrize("overlap, triggers", [(False, 0), (True, 2)], ids=["inline", "overlapped"])
+def test_reloads_the_cpu_copier_runs_inline_need_no_trigger(overlap, triggers, monkeypatch):
     """Note: [reload at the unpack]: the CPU copier runs these copies inline, so the swap's reload waits for its
-    unpack: no gradient hook at all, and the step is still the plain one bit for bit (``_counts`` checks it)."""
+    unpack: no gradient hook at all, and the step is still the plain one bit for bit (``_counts`` checks it).
+    Where the native store's worker runs them (Note: [overlapped native copies]), the reload starts at its trigger:
+    the hooks of a prefetch one layer ahead, as on the copy thread."""
+    monkeypatch.setattr("adaptive_mem.runtime._native_swap.core_to_spare", lambda: overlap)
     counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1}})
-    assert offloaded > 0 and counts["trigger"] == 0 and counts["pack"] > 0
+    assert offloaded > 0 and counts["trigger"] == triggers and counts["pack"] > 0
 
 
 def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_the_layer_end():

@@ -19,9 +19,12 @@ from profiler.naming import find_layers
 from search import Action, Decision, Plan
 
 
-def _engine(**kw) -> SwapEngine:
+def _engine(overlap: bool = False, **kw) -> SwapEngine:
+    """A CPU engine with its native store, copies inline (or on the store's worker: Note: [overlapped native
+    copies], tests/test_native_overlap.py)."""
     engine = SwapEngine(device="cpu", num_layers=4, **kw)
     assert engine.store is not None, "the native extension is built in every test run (tests/test_cpu_allocator.py)"
+    engine.store.overlap = overlap
     return engine
 
 
@@ -152,13 +155,15 @@ def test_no_dispatch_mode_of_the_caller_sees_the_stores_ops():
     engine.close()
 
 
-def test_a_planned_whole_layer_swap_runs_through_the_native_records_bit_for_bit():
+@pytest.mark.parametrize("overlap", [False, True], ids=["inline", "overlapped"])
+def test_a_planned_whole_layer_swap_runs_through_the_native_records_bit_for_bit(overlap):
     bundle = build_model("hf:llama", batch_size=2, seq_len=16, seed=0)
     batch = bundle.batch(seed=1)
     planned = copy.copy(bundle)
     planned.model = copy.deepcopy(bundle.model)
     paths = [find_layers(planned.model).layer_path(i) for i in range(2)]
     handle = optimize(planned.model, plan=Plan(decisions={p: Decision(Action.SWAP) for p in paths}))
+    handle._executor.engine.store.overlap = overlap
     grads = []
     for spec in (bundle, planned):
         for _ in range(2):  # the second step reuses the host buffers
@@ -169,6 +174,7 @@ def test_a_planned_whole_layer_swap_runs_through_the_native_records_bit_for_bit(
     stats, store = handle.swap_stats, handle._executor.engine.store
     assert store.records > 0 and stats.offloaded_bytes == stats.reloaded_bytes > 0
     assert store.in_use_bytes == 0 and handle.host_bytes == store.allocated_bytes
+    assert stats.on_demand_reloads == 0  # each prefetched by its trigger (overlapped) or reloaded at the unpack
     handle.remove()
 
 

@@ -174,8 +174,8 @@ def test_rescue_drops_the_applied_plans_unused_prefetches_too():
 
     b = bundle()
     manager, _ = _managed(b.model)
-    plan_engine = SwapEngine(device="cpu", num_layers=2)
-    plan_engine.copier.inline_bytes = 0  # copies on the thread: a prefetch overlaps (Note: [reload at the unpack])
+    plan_engine = SwapEngine(device="cpu", num_layers=2, native=False)  # the Python records (the native ones:
+    plan_engine.copier.inline_bytes = 0  # tests/test_native_overlap.py), copies on the thread: a prefetch overlaps
     manager.engines = lambda: [plan_engine]
     try:
         with DeviceMemory(track_existing=False) as mem:

@@ -335,18 +335,9 @@ class SwapManager:
         return max(0, after - before) if after is not None else 0
 
     def _drain(self) -> bool:
-        """Wait (bounded: a copy may be blocked behind the allocation that asked) for the applied plan's offload
-        copies in flight: their device bytes are released when they land."""
-        drained = False
-        for copier in [engine.copier for engine in self.engines()]:
-            marker = copier.submit(lambda non_blocking: None)  # copies run in issue order: behind all of them
-            if isinstance(copier, ThreadCopier):
-                drained |= marker.landed.wait(timeout=2.0)
-            else:
-                copier.stream.synchronize()
-                copier.reap()
-                drained = True
-        return drained
+        """Wait for the applied plan's offload copies in flight: their device bytes are released when they land
+        (:meth:`SwapEngine.drain`)."""
+        return any([engine.drain() for engine in self.engines()])
 
     def _swap_out(self, group: StorageGroup) -> bool:
         slots = [s for s in group.live_slots() if s.tensor is not None]

@@ -4,6 +4,7 @@ engine's, and the handle types the unpack hooks serve."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from ._host_marks import accounting_backend, extension
 from ._swap_record import Packed, SwapStats
 
-__all__ = ["HANDLES", "is_handle", "native_store", "close_store", "NativeStats"]
+__all__ = ["HANDLES", "is_handle", "native_store", "close_store", "core_to_spare", "NativeStats"]
 
 HANDLES: tuple[type, ...] = (Packed,)
 """The types of what a swap's pack hook returns: :class:`Packed` and, once the native extension is loaded, its
@@ -33,7 +34,16 @@ def native_store(device: torch.device, budget: Any) -> Any | None:
         return None
     if ext.SwapHandle not in HANDLES:
         HANDLES = (Packed, ext.SwapHandle)
-    return ext.SwapStore(take=budget.take, give=budget.give)
+    store = ext.SwapStore(take=budget.take, give=budget.give)
+    store.overlap = core_to_spare()
+    return store
+
+
+def core_to_spare(threads: int | None = None) -> bool:
+    """Whether the compute's threads (torch's intra-op threads unless given) leave a core free for the store's
+    copy worker (Note: [overlapped native copies] in ``_swap_store.cpp``)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cores > (torch.get_num_threads() if threads is None else threads)
 
 
 def close_store(store: Any, budget: Any) -> None:

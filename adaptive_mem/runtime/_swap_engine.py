@@ -42,7 +42,7 @@ import torch
 from profiler import machinery_scope
 from profiler.tracing import local_shard, no_cycle
 
-from ._copier import make_copier
+from ._copier import ThreadCopier, make_copier
 from ._host_pool import FileHostPool, HostPool
 from ._native_swap import NativeStats, close_store, native_store
 from ._spill import HostBudget, TieredHostPool
@@ -63,6 +63,8 @@ def parameter_storages(module: Any) -> set[int]:
 
 
 log = logging.getLogger(__name__)
+
+_ANY_SIZE = 1 << 62
 
 
 class SwapEngine:
@@ -125,7 +127,9 @@ class SwapEngine:
         :class:`Packed` on a Python record."""
         store = self.store
         if store is not None and type(t) is torch.Tensor:
-            handle = store.offload(t, label, prefetch > 0, self.copier.inline_bytes)
+            trigger = min(layer + prefetch, self.num_layers) if prefetch > 0 else -1
+            limit = _ANY_SIZE if store.overlap else self.copier.inline_bytes  # Note: [overlapped native copies]
+            handle = store.offload(t, label, trigger, limit)
             if handle is not None:
                 return handle
         return self._offload(t, label=label, layer=layer, prefetch=prefetch)
@@ -166,14 +170,17 @@ class SwapEngine:
         layer's forward, it says whether the layer's output needs the trigger's gradient hook: a layer below every
         trigger gets none, as a record's deferred reload (Note: [budget-aware prefetch]) never needs a trigger
         below its own layer (its unpack comes first). tests/test_footprint_swap.py counts the triggers."""
-        return any(k >= layer for k in self._pending)
+        return any(k >= layer for k in self._pending) or (self.store is not None and self.store.last_trigger >= layer)
 
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
         and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
         prefetch]), the rest wait for the next layer or their unpack."""
         self.copier.reap()
-        if self.wants_trigger(layer):
+        if self.store is not None and self.store.last_trigger >= layer:  # Note: [overlapped native copies]
+            room = self.headroom()
+            self.store.prefetch(layer, -1 if room is None else max(0, room - self.prefetch_reserve))
+        if any(k >= layer for k in self._pending):
             self._issue(layer)
 
     @machinery_scope()  # Note: [machinery ops]
@@ -207,7 +214,7 @@ class SwapEngine:
         last (lowest layer) first; returns the bytes freed."""
         alive = [r for r in (ref() for ref in self._reloads) if r is not None and r.h2d is not None]
         self._reloads = [weakref.ref(r) for r in alive]
-        freed = 0
+        freed = self.store.evict(needed) if self.store is not None else 0
         for record in sorted(alive, key=lambda r: r.layer):
             if freed >= needed:
                 break
@@ -215,6 +222,17 @@ class SwapEngine:
                 freed += record.nbytes
                 self._pending.setdefault(record.layer, []).append(weakref.ref(record))
         return freed
+
+    def drain(self) -> bool:
+        """Wait for the copies in flight (on the copy thread bounded: a copy may be blocked behind the allocation
+        that asked); whether they landed, releasing the device bytes of their offloads."""
+        drained = self.store.drain() if self.store is not None else False
+        marker = self.copier.submit(lambda non_blocking: None)  # copies run in issue order: behind all of them
+        if isinstance(self.copier, ThreadCopier):
+            return marker.landed.wait(timeout=2.0) or drained
+        self.copier.stream.synchronize()
+        self.copier.reap()
+        return True
 
     def close(self) -> None:
         if self._close_store is not None:
