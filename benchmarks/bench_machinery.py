@@ -21,7 +21,8 @@ machinery's calls per step (``FOOTPRINT``: Python dispatch calls, pack hook call
 
 Targets: a one-unit op-level swap or select recompute at most +2 % over plain; the 10 swaps at most +3 %; the
 whole-layer swap at most plain + the measured copy time of its bytes (out and back) + 2 %; the whole-layer
-recompute at most plain + the recomputed layers' profiled forward + 2 %; every prediction within 10 %.
+recompute at most plain + the recomputed layers' profiled forward (their ops' times, or the layer's measured forward
+where longer) + 2 %; every prediction within 10 %.
 On ``--device cuda`` the steps are timed between synchronizations.
 """
 
@@ -250,8 +251,15 @@ def _limit(row: Row, plain: float, profile: Any, device: torch.device) -> tuple[
     if row.target == "copy":
         extra = copy_seconds(row.swapped, device)
         return plain * 1.02 + extra, f"<= copy {extra * 1e3:.2f} ms + 2%"
-    extra = sum(u.fwd_time for i in row.layers for u in profile.layer_units(i))
+    extra = sum(max(sum(u.fwd_time for u in profile.layer_units(i)), _measured_forward(profile, i))
+                for i in row.layers)
     return plain * 1.02 + extra, f"<= fwd {extra * 1e3:.2f} ms + 2%"
+
+
+def _measured_forward(profile: Any, layer: int) -> float:
+    """The layer's forward in the profile's plain steps, its modules' Python included (Note: [layer forward
+    time] in ``profiler/_repeats.py``); 0 where not measured."""
+    return profile.layer_forward[layer] if profile.layer_forward else 0.0
 
 
 def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> list[dict[str, Any]]:

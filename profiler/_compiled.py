@@ -274,7 +274,7 @@ def apply_compiled(profile: Any, figures: dict[str, Any]) -> Any:
                                  bwd_time=sum(ops[oi].bwd_time for oi in u.ops)) for u in profile.units]
     compiled = {**figures, "eager_step_time": profile.step_time}
     return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + delta_total),
-                               step_time=figures["step_time"], compiled=compiled)
+                               step_time=figures["step_time"], compiled=compiled, layer_forward=[])  # eager
 
 
 def _folded(profile: Any, table: dict[str, int]) -> dict[str, int]:

@@ -302,4 +302,4 @@ def _rebuilt(profile: Profile, ops: list[OpRecord], rows: list[dict[str, Any]], 
     compiled = {"backend": backend, "layout": "per-block", "step_time": step, "eager_step_time": profile.step_time,
                 "layers": rows, "modelled": True}
     return dataclasses.replace(profile, ops=ops, units=units, peak_memory=int(profile.peak_memory + saved_delta),
-                               step_time=step, compiled=compiled)
+                               step_time=step, compiled=compiled, layer_forward=[])  # measured eager

@@ -226,6 +226,10 @@ class Profile:
     """Gradient bytes per position (pre, layers, post), by each parameter's last forward use (profile-format.md)."""
     gradient_largest: list[int] = field(default_factory=list)
     """Per position, its largest parameter gradient's bytes (profile-format.md); empty when unknown, as the split."""
+    layer_forward: list[float] = field(default_factory=list)
+    """Each block's median forward seconds in the unrecorded steps, its modules' Python included (Note: [layer
+    forward time] in ``profiler/_repeats.py``): what a replay of the whole block costs where that is more than its
+    units' times; empty (and not written) on fake tensors, in compiled profiles and in those recorded before."""
     compiled: dict[str, Any] | None = None
     """Per-block ``torch.compile`` figures when the ops were rewritten to the compiled model (``profiler._compiled``,
     Note: [compiled profile]); None (and not written) for an eager profile."""
@@ -266,7 +270,7 @@ class Profile:
             del data["layer_stacks"]  # one stack: the version-1 form, readable by older readers
         if data["compiled"] is None:
             del data["compiled"]
-        for key in [k for k in ("gradient_split", "gradient_largest") if not data[k]]:
+        for key in [k for k in ("gradient_split", "gradient_largest", "layer_forward") if not data[k]]:
             del data[key]
         if not data["static"]["master"]:
             del data["static"]["master"]  # no master weights: the form older readers know
@@ -307,6 +311,9 @@ class Profile:
             if not isinstance(v, list) or v and (len(v) != profile.num_layers + 2 or not all(is_type(x, "int") and x >= 0
                                                                                             for x in v)):
                 raise ProfileError(f"profile.{key}={short(v)}: expected num_layers + 2 integers >= 0, or no key")
+        if profile.layer_forward and len(profile.layer_forward) != profile.num_layers:  # each checked as a number
+            raise ProfileError(f"profile.layer_forward={short(profile.layer_forward)}: expected num_layers seconds "
+                               ">= 0, or no key")
         check_compiled(profile.compiled, ProfileError)
         _check_references(profile)
         return profile

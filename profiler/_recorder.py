@@ -140,6 +140,9 @@ class Recorder(TorchDispatchMode):
         """The device's peak bytes over the recorded step, by the meter (None without one)."""
         self.wrapper_time = 0.0
         """Seconds of a parallel wrapper's own forward ops (Note: [wrapper ops]): step time of no unit."""
+        self.layer_forward: list[float] = []
+        """Each block's median forward seconds in the plain steps (Note: [layer forward time]); set by the
+        profiler after the steps."""
 
     # ------------------------------------------------------------------ phases
     @contextlib.contextmanager

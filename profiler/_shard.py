@@ -292,7 +292,8 @@ def _rank_profile(profile: Profile, ops: list[OpRecord], units: list[UnitRecord]
     buckets = ddp_bucket_bytes(static.gradients, layout)  # the optimizer step does not touch them
     ratio = (static.total - static.buffers - buckets) / touched if touched else 1.0
     return replace(profile, model=model, ops=ops, units=units, static=static, peak_memory=int(peak),
-                   step_time=max(0.0, step), optimizer_time=profile.optimizer_time * ratio)
+                   step_time=max(0.0, step), optimizer_time=profile.optimizer_time * ratio,
+                   layer_forward=[])  # measured unsharded
 
 
 def _sum_unit(unit: UnitRecord, ops: list[OpRecord], ids: list[int]) -> UnitRecord:

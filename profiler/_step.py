@@ -21,6 +21,7 @@ from ._other_memory import AcceleratorMeter, MemoryMeter, measured_memory, read
 from ._precision import Precision, PrecisionError, autocast_loss, check_model_dtype, precision_of
 from ._profile import HardwareSpec, OpRecord, Profile, UnitRecord
 from ._recorder import OpEvent, Recorder
+from ._repeats import LayerTimer, take_median_times
 from ._sync_fit import fit_to_step
 from ._static import allocated_optimizer_state, gradient_split, held_beyond_model, static_memory
 from ._target_kernels import cuda_attention
@@ -231,12 +232,15 @@ def _record(step: StepTarget, device: torch.device, hw: HardwareSpec, fake: bool
     # profile rather than on one stretch of it that a slow spell of the machine may cover.
     plain: list[float] = []
     recorders: list[Recorder] = []
+    blocks = LayerTimer(step.model, device)  # Note: [layer forward time]
     for i in range(max(repeat, record)):
         if i < repeat:
-            plain.append(_plain_step_seconds(step, device))
+            with blocks:
+                plain.append(_plain_step_seconds(step, device))
         if i < record:
             recorders.append(_record_once(step, device, hw, fake, meter))
-    _take_median_times(recorders)
+    take_median_times(recorders)
+    recorders[0].layer_forward = blocks.medians()
     recorders[0].other.peak = max(r.other.peak for r in recorders)
     recorders[0].device_peak = max((r.device_peak for r in recorders if r.device_peak is not None), default=None)
     return recorders[0], (statistics.median(plain) if plain else None)
@@ -263,32 +267,6 @@ def _record_once(step: StepTarget, device: torch.device, hw: HardwareSpec, fake:
     del loss
     _clear_grads(model)
     return recorder
-
-
-def _take_median_times(recorders: list[Recorder]) -> None:
-    """Give the first recorder's ops the median of their times over every recorder.
-
-    Note: [op time medians] one recorded step times each op once, and on a shared machine a single
-    preemption lands in whichever op was running (one profile charged 170 ms instead of 66 ms to the
-    loss's backward). The medians over a few recorded steps keep such outliers out of every plan's
-    prediction. Bytes, consumers and savers come from the first recording: a deterministic step
-    records the same ops each time, and a step that does not (data-dependent control flow) keeps the
-    first recording's times. Guarded by ``tests/test_profiler.py::test_op_times_are_medians_of_recordings``.
-    """
-    first = recorders[0]
-    same = [r for r in recorders[1:]
-            if [(e.func, e.unit) for e in r.events] == [(e.func, e.unit) for e in first.events]]
-    if len(same) < len(recorders) - 1:
-        log.warning("the recorded steps ran different ops (data-dependent control flow?): op times from the "
-                    "first recording only")
-        return
-    if not same:
-        return
-    for i, event in enumerate(first.events):
-        event.fwd_time = statistics.median([event.fwd_time, *(r.events[i].fwd_time for r in same)])
-        event.bwd_time = statistics.median([event.bwd_time, *(r.events[i].bwd_time for r in same)])
-    first.unattributed_bwd_time = statistics.median(
-        [first.unattributed_bwd_time, *(r.unattributed_bwd_time for r in same)])
 
 
 def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, device: torch.device, fake: bool,
@@ -326,7 +304,7 @@ def _build(step: StepTarget, recorder: Recorder, hw: HardwareSpec, static, devic
         link_source=link_source, unattributed_time=recorder.unattributed_bwd_time,
         layer_stacks=[{"container": c, "count": n} for c, n in layers.stacks] if layers and len(layers.stacks) > 1
         else [],
-        gradient_split=split, gradient_largest=largest,
+        gradient_split=split, gradient_largest=largest, layer_forward=recorder.layer_forward,
     )
 
 

@@ -89,7 +89,7 @@ def assign(model: StepModel, choices: Iterable[tuple[int, Option]]) -> Assignmen
 def _signature(model: StepModel, p: int) -> tuple:
     members = model.positions[p]
     local = {i: k for k, i in enumerate(members)}
-    return (model.input_extra[p], model.input_swap[p]) + tuple(
+    return (model.input_extra[p], model.input_swap[p], model.replay_extra[p]) + tuple(
         (u.local_name, u.saved, u.output, u.fwd, u.bwd, u.pinned, u.sac_extra, u.sac_replay, u.sac_replay_all, u.ops,
          tuple(local.get(c, -1) for c in u.consumers), model.spill_bound[u.index] if model.spill_bound else 0)
         for u in (model.units[i] for i in members))

@@ -97,6 +97,10 @@ class StepModel:
     spill_bound: list[int] = field(default_factory=list)
     """Per unit: bytes of its swap beyond ``host_budget`` when every unit before it swaps too (an upper
     bound the solvers' per-unit costs use; the simulator tracks the plan's real host use)."""
+    replay_extra: list[float] = field(default_factory=list)
+    """Per position: seconds a replay of the whole position (a layer recomputed as a whole) takes beyond its units'
+    forward times: the profile's ``layer_forward`` of the layer less those times where more (its modules' Python:
+    Note: [layer forward time] in ``profiler/_repeats.py``), else 0."""
 
     @cached_property
     def largest_allocation(self) -> int:
@@ -211,12 +215,20 @@ class StepModel:
         model = cls(profile=profile, hardware=hw, units=units, positions=positions, input_extra=input_extra,
                     base=base, grads=grads, boundary=boundary, other_time=other,
                     forward_time=fwd, backward_time=bwd, host_budget=host_budget,
-                    input_swap=_input_swap(units, positions), grad_temp=grad_temp)
+                    input_swap=_input_swap(units, positions), grad_temp=grad_temp,
+                    replay_extra=_replay_extra(profile, units, positions))
         used = 0
         for u in units:
             model.spill_bound.append(model.spill(used, u.saved))
             used += u.saved
         return model
+
+
+def _replay_extra(profile: Profile, units: list[UnitInfo], positions: list[list[int]]) -> list[float]:
+    """``StepModel.replay_extra``: each layer's measured forward beyond its units' times (0 without a measure)."""
+    wall = profile.layer_forward
+    return [max(0.0, wall[p - 1] - sum(units[i].fwd for i in members)) if members and 1 <= p <= len(wall) else 0.0
+            for p, members in enumerate(positions)]
 
 
 def _unit_infos(profile: Profile) -> tuple[list[UnitInfo], dict[str, int]]:

@@ -102,7 +102,8 @@ def scale_profile(refs: Profile | tuple[Profile, ...], batch_size: int) -> Profi
     saved = sum(u.saved_bytes for u in units) + line.bytes(*(r.saved_input_bytes for r in refs))
     return replace(first, model=model, ops=ops, units=units, peak_memory=no_grads + saved + workspace,
                    saved_input_bytes=line.bytes(*(r.saved_input_bytes for r in refs)),
-                   step_time=max(step_time, compute), unattributed_time=unattributed)
+                   step_time=max(step_time, compute), unattributed_time=unattributed,
+                   layer_forward=[])  # measured at its batch size only
 
 
 def profile_for_batch(profiles: Mapping[int, Profile], batch_size: int) -> Profile:

@@ -327,7 +327,7 @@ def scale_to_seq_len(refs: Profile | tuple[Profile, ...], seq_len: int) -> Profi
     saved = sum(u.saved_bytes for u in units) + saved_inputs
     draft = replace(first, model=model, ops=ops, units=units, peak_memory=no_grads + saved,
                     saved_input_bytes=saved_inputs, step_time=compute + outside,
-                    unattributed_time=near.unattributed_time)
+                    unattributed_time=near.unattributed_time, layer_forward=[])  # measured at its length only
     workspace = _workspace(refs, fit, draft, max((ops[i].output_bytes for i in score_ops(first)[0]), default=0))
     return replace(draft, peak_memory=no_grads + saved + workspace)
 

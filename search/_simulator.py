@@ -97,8 +97,8 @@ def _full(model: StepModel, positions: tuple[int, ...]) -> Segment:
                 seen.add(u.index)
                 inputs += u.output
     hold = {i: model.units[i].saved for i in pinned}
-    return Segment(positions, "full", members, hold, inputs, [], sum(model.units[i].saved for i in members),
-                   sum(model.units[i].fwd for i in members))
+    replay = sum(model.units[i].fwd for i in members) + sum(model.replay_extra[p] for p in positions)
+    return Segment(positions, "full", members, hold, inputs, [], sum(model.units[i].saved for i in members), replay)
 
 
 def position_segment(model: StepModel, p: int, acts: list[Action]) -> Segment:

@@ -212,7 +212,7 @@ class _Alternating(torch.nn.Module):
 
 def test_recordings_of_different_ops_keep_the_first(caplog):
     model = _Alternating()
-    with caplog.at_level("WARNING", logger="profiler._step"):
+    with caplog.at_level("WARNING", logger="profiler._repeats"):
         result = profiler.profile_step(model, inputs=(torch.randn(4, 16),), loss_fn=lambda m, b: m(*b).sum(),
                                        warmup=0, repeat=0, record=2, optimizer_time=0.0)
     assert model.calls == 2
