@@ -200,7 +200,7 @@ def throughput_check(rounds: int, device: torch.device, calibrated: bool, budget
     profiles = {b: profile_step(bb, optimizer=torch.optim.SGD(bb.model.parameters(), lr=1e-3), warmup=1, repeat=3)
                 for b, bb in bundles.items()}
     if calibrated:
-        hardware = calibrate(bundles[8], profiles[8]).hardware
+        hardware = calibrate(bundles[8], profiles[8], pairs=max(3, rounds // 4)).hardware
         profiles = {b: dataclasses.replace(p, hardware=hardware) for b, p in profiles.items()}
     result = maximize_throughput(profiles=profiles, batch_sizes=list(batches), budget=budget)
     fitting = [r for r in result.rows if r.fits]
@@ -251,15 +251,16 @@ def _limit(row: Row, plain: float, profile: Any, device: torch.device) -> tuple[
     if row.target == "copy":
         extra = copy_seconds(row.swapped, device)
         return plain * 1.02 + extra, f"<= copy {extra * 1e3:.2f} ms + 2%"
-    extra = sum(max(sum(u.fwd_time for u in profile.layer_units(i)), _measured_forward(profile, i))
-                for i in row.layers)
+    extra = recomputed_forward(profile, row.layers)
     return plain * 1.02 + extra, f"<= fwd {extra * 1e3:.2f} ms + 2%"
 
 
-def _measured_forward(profile: Any, layer: int) -> float:
-    """The layer's forward in the profile's plain steps, its modules' Python included (Note: [layer forward
-    time] in ``profiler/_repeats.py``); 0 where not measured."""
-    return profile.layer_forward[layer] if profile.layer_forward else 0.0
+def recomputed_forward(profile: Any, layers: Any) -> float:
+    """Seconds of the forwards a whole-layer recompute of ``layers`` replays: each layer's ops' times, or its
+    forward measured in the profile's plain steps where longer (its modules' Python: Note: [layer forward time]
+    in ``profiler/_repeats.py``)."""
+    measured = profile.layer_forward or [0.0] * profile.num_layers
+    return sum(max(sum(u.fwd_time for u in profile.layer_units(i)), measured[i]) for i in layers)
 
 
 def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> list[dict[str, Any]]:
@@ -308,8 +309,8 @@ def run_model(spec: str, rounds: int, device: torch.device, calibrated: bool, **
     bundle = build_model(spec, **{"batch_size": BATCH, "seq_len": SEQ, **sizes}, seed=0, device=str(device))
     opt = torch.optim.SGD(bundle.model.parameters(), lr=1e-3)
     profile = profile_step(bundle, optimizer=opt, warmup=1, repeat=max(3, rounds // 2))
-    if calibrated:
-        profile = calibrate(bundle, profile)
+    if calibrated:  # more pairs than the default 3: a noisy machine moves a median of 3 steps by percents
+        profile = calibrate(bundle, profile, pairs=max(3, rounds // 4))
     rows = rows_for(profile)
     run_rows(bundle, rows, rounds, device)
     return table(spec, rows, profile, device)
