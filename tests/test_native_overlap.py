@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 
 import pytest
 import torch
@@ -145,4 +146,30 @@ def test_overlapped_the_store_takes_storages_above_the_inline_size():
     assert type(handle).__name__ == "SwapHandle" and handle.record.nbytes == big.untyped_storage().nbytes()
     assert torch.equal(handle.unpack(), _values(inline.copier.inline_bytes // 4 + 1024, 3))
     inline.close()
+    engine.close()
+
+
+def test_a_child_forked_with_copies_queued_finishes_them_and_exits():
+    """A process forked while the worker ran (a DataLoader's worker process) has no worker thread: its first call
+    runs the unfinished copies inline, its unpacks are exact, and closing joins nothing (no hang)."""
+    engine = _engine()
+    engine.store.window_bytes = 1 << 30  # queue them all: ~50 ms of copies, still running at the fork
+    expected = [_values(1 << 24, i) for i in range(4)]
+    handles = [engine.offload(t.clone(), label="x", layer=0, prefetch=0) for t in expected]
+    pid = os.fork()
+    if pid == 0:  # the child: exit code 0 when every unpack is exact and the close returns
+        code = 1
+        try:
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # killed even inside C (no Python handler runs there)
+            signal.alarm(20)  # a child waiting for the parent's thread would hang
+            torch.set_num_threads(1)  # as a DataLoader's worker does: OpenMP's threads are not the child's
+            ok = all(torch.equal(h.unpack(), t) for h, t in zip(handles, expected))
+            del handles
+            engine.close()
+            code = 0 if ok else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    assert all(torch.equal(h.unpack(), t) for h, t in zip(handles, expected))
     engine.close()
