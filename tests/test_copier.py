@@ -188,7 +188,7 @@ def test_the_engine_issues_a_batch_per_layer_and_per_trigger():
     outside a trigger (the adaptive loop's) at once; the round trip stays exact."""
     from adaptive_mem.runtime._swap_engine import SwapEngine
 
-    engine = SwapEngine(device="cpu", num_layers=4)
+    engine = SwapEngine(device="cpu", num_layers=4, native=False)  # the Python records, on the logged copier
     engine.copier.close()
     engine.copier = log = _BatchLog()
     engine.begin_forward()
