@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ._recorder import Recorder
-from ._units import find_layers
+from ._structure import ModelStructure
 
 __all__ = ["LayerTimer", "take_median_times"]
 
@@ -58,8 +58,7 @@ class LayerTimer:
     it and its units' times (``StepModel.replay_extra``). Guarded by tests/test_layer_forward.py."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
-        info = find_layers(model)
-        self.blocks = [model.get_submodule(info.layer_path(i)) for i in range(info.count)] if info else []
+        self.blocks = [model.get_submodule(path) for path in ModelStructure.of(model).layer_paths]
         self.events = device.type not in ("cpu", "meta")
         self.device = device
         self.samples: list[list[float]] = []

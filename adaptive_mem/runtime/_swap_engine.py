@@ -170,14 +170,17 @@ class SwapEngine:
         layer's forward, it says whether the layer's output needs the trigger's gradient hook: a layer below every
         trigger gets none, as a record's deferred reload (Note: [budget-aware prefetch]) never needs a trigger
         below its own layer (its unpack comes first). tests/test_footprint_swap.py counts the triggers."""
-        return any(k >= layer for k in self._pending) or (self.store is not None and self.store.last_trigger >= layer)
+        return any(k >= layer for k in self._pending) or self._native_due(layer)
+
+    def _native_due(self, layer: int) -> bool:  # Note: [overlapped native copies]
+        return self.store is not None and self.store.last_trigger >= layer
 
     def on_backward(self, layer: int) -> None:
         """Backward begins ``layer`` (``num_layers`` = backward begins): issue the reloads scheduled here
         and any whose trigger was skipped; with a ``headroom``, only those that fit (Note: [budget-aware
         prefetch]), the rest wait for the next layer or their unpack."""
         self.copier.reap()
-        if self.store is not None and self.store.last_trigger >= layer:  # Note: [overlapped native copies]
+        if self._native_due(layer):
             room = self.headroom()
             self.store.prefetch(layer, -1 if room is None else max(0, room - self.prefetch_reserve))
         if any(k >= layer for k in self._pending):

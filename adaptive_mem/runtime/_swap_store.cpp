@@ -67,15 +67,13 @@ struct Stored {  // one swapped storage
   int64_t nbytes;
   c10::VariableVersion version;  // the saved tensor's version counter (its views share it)
   uint32_t saved_version;
-  bool on_demand;       // reloaded at the unpack for want of a prefetch (the plan asked none)
   bool served = false;  // an unpack took dev: the host buffer is back in the free list
-  int trigger;          // the backward trigger layer of its prefetch (-1: none)
+  int trigger;          // the backward trigger layer of its prefetch (-1: the plan asked none)
   int jobs = 0;         // its copies queued or running on the worker (under the worker's lock)
   std::string label;
   Stored(std::shared_ptr<Store> s, at::Tensor h, int64_t n, const at::Tensor& t, int trig, std::string l)
       : store(std::move(s)), host(std::move(h)), nbytes(n), version(t.unsafeGetTensorImpl()->version_counter()),
-        saved_version(version.enabled() ? version.current_version() : 0), on_demand(trig < 0), trigger(trig),
-        label(std::move(l)) {}
+        saved_version(version.enabled() ? version.current_version() : 0), trigger(trig), label(std::move(l)) {}
   ~Stored();
 };
 
@@ -198,7 +196,8 @@ struct Handle {  // what autograd holds for one save
       {
         std::lock_guard<std::mutex> lock(store.mu);
         store.reloaded_bytes += s.nbytes;
-        store.on_demand_reloads += s.on_demand || (!prefetched && store.overlap);
+        // reloaded here for want of a prefetch: none asked, or (overlapped) none issued in time
+        store.on_demand_reloads += s.trigger < 0 || (!prefetched && store.overlap);
       }
       store.release(std::move(s.host));
     }
@@ -212,7 +211,7 @@ py::object Store::offload(const at::Tensor& t, const std::string& label, int tri
   const c10::Storage& st = t.storage();
   const int64_t n = static_cast<int64_t>(st.nbytes());
   if (n == 0 || n > limit || st.device_type() != c10::DeviceType::CPU || st.data() == nullptr) return py::none();
-  worker.reap();
+  if (overlap) worker.reap();
   c10::StorageImpl* impl = st.unsafeGetStorageImpl();
   std::shared_ptr<Stored> stored;
   {
