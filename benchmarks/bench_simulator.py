@@ -6,8 +6,8 @@ Each round runs ``adaptive-mem profile`` once, then ``adaptive-mem run --plan P 
 every plan, each in its own process, and compares ``search.simulate`` on that round's profile with
 the run's accounted peak and median step time. Rounds interleave profile and runs so a slow spell
 of a shared machine shows up as one bad round, not as a bias; the medians over rounds are the
-figures. Plans: full recompute of every layer, and every other layer. Targets (asserted by
-``tests/test_simulator_measured.py``): peak within 5 %, step within 15 %.
+figures. Plans: full recompute of every layer, and every other layer. Targets: peak within 5 %
+(also asserted, on one round, by ``tests/test_simulator_measured.py``), step within 15 %.
 
 With ``--compile BACKEND`` (targets: peak within 3 %, step within 10 %) each round profiles the model
 compiled per block (``adaptive-mem profile --compile BACKEND``) and runs every plan (also ``none``, keeping all)
