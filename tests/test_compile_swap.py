@@ -166,9 +166,8 @@ def _held_after_forward(model, batch, plan) -> int:
             base = mem.live
             ids, labels = batch
             loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
-            if handle is not None:  # the copy queue is FIFO: a no-op copy lands after every offload
-                copier = handle._executor.engine.copier
-                copier.sync(copier.submit(lambda non_blocking: None))
+            if handle is not None:  # every offload landed, its source released (both copiers)
+                handle._executor.engine.drain()
             held = mem.live - base
             loss.backward()
     finally:

@@ -57,8 +57,8 @@ def _step(bundle, model, plan):
         with mem:
             loss = run.loss(bundle.batch(seed=0))
             engine = handle._executor.engine if handle is not None else None
-            if engine is not None:  # the copy queue is FIFO: a no-op copy lands after every offload
-                engine.copier.sync(engine.copier.submit(lambda non_blocking: None))
+            if engine is not None:  # every offload landed, its source released (both copiers)
+                engine.drain()
             held = mem.live
             loss.backward()
     finally:
