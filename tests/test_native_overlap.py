@@ -9,7 +9,6 @@ from __future__ import annotations
 import gc
 import os
 import signal
-import time
 
 import pytest
 import torch
@@ -110,58 +109,13 @@ def test_a_record_dying_or_changed_in_place_with_its_copy_in_flight():
     assert budget.used == 0
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("kick_bytes", [None, 1 << 30], ids=["default", "never-by-bytes"])
-def test_saves_beyond_the_window_wait_for_their_copies_and_all_come_back_exact(kick_bytes):
-    """A save beyond the window wakes the worker before it waits (Note: [batched wake-ups]): no hang."""
+def test_saves_beyond_the_window_wait_for_their_copies_and_all_come_back_exact():
     engine = _engine()
     engine.store.window_bytes = 8_000
-    if kick_bytes is not None:
-        engine.store.kick_bytes = kick_bytes
     engine.begin_forward()
     handles = [engine.offload(_values(1500, i), label="x", layer=0, prefetch=0) for i in range(40)]
     assert all(torch.equal(h.unpack(), _values(1500, i)) for i, h in enumerate(handles))
     assert engine.stats.offloaded_bytes == engine.stats.reloaded_bytes == 40 * 6_000
-    engine.close()
-
-
-def test_saves_below_the_kick_size_wake_the_worker_once_at_the_drain():
-    """Note: [batched wake-ups] in ``_swap_worker.h``: saves spaced so the worker falls asleep between them wake it
-    only once their bytes reach ``kick_bytes``; until then their sources stay on the device, and the drain's kick
-    lands them all with one wake-up."""
-    engine = _engine()
-    engine.store.kick_bytes = 1 << 30
-    with DeviceMemory(track_existing=False) as mem:
-        engine.begin_forward()
-        handles = []
-        for i in range(20):
-            handles.append(engine.offload(_values(1500, i), label="x", layer=0, prefetch=0))
-            time.sleep(0.002)  # the worker (started by the first save) falls asleep
-        assert engine.store.wakes == 0  # no save woke it
-        assert mem.live > 2 * 6_000  # the queued copies' sources: still on the device
-        assert engine.drain() and mem.live == 0
-        assert engine.store.wakes <= 1
-        assert all(torch.equal(h.unpack(), _values(1500, i)) for i, h in enumerate(handles))
-        engine.store.kick_bytes = 12_000  # every second save wakes a sleeping worker, at most
-        for i in range(20):
-            handles.append(engine.offload(_values(1500, i), label="y", layer=0, prefetch=0))
-            time.sleep(0.002)
-        assert engine.store.wakes <= 1 + 10
-        del handles
-    engine.close()
-
-
-@pytest.mark.timeout(120)
-def test_an_unpack_wakes_the_worker_for_its_queued_copy():
-    """The unpack's wait kicks first (Note: [batched wake-ups]): a copy queued behind the sleeping worker lands."""
-    engine = _engine()
-    engine.store.kick_bytes = 1 << 30
-    engine.begin_forward()
-    first = engine.offload(_values(1500, 0), label="x", layer=0, prefetch=0)
-    engine.drain()
-    time.sleep(0.01)  # asleep
-    second = engine.offload(_values(1500, 1), label="x", layer=0, prefetch=0)
-    assert torch.equal(second.unpack(), _values(1500, 1)) and torch.equal(first.unpack(), _values(1500, 0))
     engine.close()
 
 

@@ -154,7 +154,6 @@ class OpSwaps:
         self.quiet_layer = i not in self.swap_layers
 
     def _layer_post(self, i: int, module: nn.Module, args: Any, output: Any) -> None:
-        self.ctx.engine.kick()  # the layer's copies out start before the next layer runs
         self.quiet_layer = False
         self._release(output)
         self.on_grad_of(output, i)

@@ -90,7 +90,6 @@ class SwapEngine:
         self.store = native_store(self.device, self.pool.budget) if native and self.tiered else None
         """Note: [native swap records] in ``_swap_store.cpp``: the C++ records of the saves it takes (CPU only)."""
         self._layer: int | None = None  # the layer of the offloads submitted since the last flush
-        self._native_layer: int | None = None  # the layer of the native store's last offload
         self.triggering = False  # in a backward trigger (until the next flush): its reloads start together
         self.stats = SwapStats() if self.store is None else NativeStats(self.store)
         self._close_store = None if self.store is None else weakref.finalize(self, close_store, self.store,
@@ -119,14 +118,8 @@ class SwapEngine:
         self.flush()
 
     def flush(self) -> None:  # Note: [batched issue] in ``_copier.py``: issue the copies submitted so far
-        self._layer, self._native_layer, self.triggering = None, None, False
+        self._layer, self.triggering = None, False
         self.copier.flush()
-
-    def kick(self) -> None:
-        """Start the native store's queued copies (Note: [batched wake-ups] in ``_swap_worker.h``): at a layer's
-        end, so its copies out overlap the next layer as the copy stream's batch does."""
-        if self.store is not None:
-            self.store.kick()
 
     def offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Any:
         """Start copying ``t``'s storage to the host; returns the handle autograd keeps (its ``unpack()`` gives
@@ -134,9 +127,6 @@ class SwapEngine:
         :class:`Packed` on a Python record."""
         store = self.store
         if store is not None and type(t) is torch.Tensor:
-            if layer != self._native_layer:  # the previous layer's copies out start (Note: [batched wake-ups])
-                store.kick()
-                self._native_layer = layer
             trigger = min(layer + prefetch, self.num_layers) if prefetch > 0 else -1
             limit = _ANY_SIZE if store.overlap else self.copier.inline_bytes  # Note: [overlapped native copies]
             handle = store.offload(t, label, trigger, limit)

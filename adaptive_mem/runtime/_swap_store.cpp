@@ -143,7 +143,6 @@ struct Store : std::enable_shared_from_this<Store> {
   }
 
   void new_forward() {  // forgets this forward's storages and the prefetches of dead records
-    worker.kick();  // Note: [batched wake-ups] in _swap_worker.h
     worker.reap();
     std::lock_guard<std::mutex> lock(mu);
     seen.clear();
@@ -272,7 +271,6 @@ void Store::prefetch(int layer, int64_t room) {
     std::lock_guard<std::mutex> lock(mu);
     reloads.push_back(*it);
   }
-  worker.kick();  // Note: [batched wake-ups] in _swap_worker.h
   if (!deferred.empty() && layer > 0) {
     std::lock_guard<std::mutex> lock(mu);
     auto& below = pending[layer - 1];
@@ -346,7 +344,6 @@ void bind_swap_store(py::module_& m) {
       .def("prefetch", &Store::prefetch, py::arg("layer"), py::arg("room"))
       .def("evict", &Store::evict, py::arg("needed"))
       .def("drain", [](Store& s) { return s.worker.drain(); })
-      .def("kick", [](Store& s) { s.worker.kick(); })
       .def("new_forward", &Store::new_forward)
       .def("close", &Store::close)
       .def_property(
@@ -356,10 +353,6 @@ void bind_swap_store(py::module_& m) {
       .def_property(
           "window_bytes", [](const Store& s) { return s.worker.window_bytes; },
           [](Store& s, int64_t v) { s.worker.window_bytes = v; })
-      .def_property(
-          "kick_bytes", [](const Store& s) { return s.worker.kick_bytes; },
-          [](Store& s, int64_t v) { s.worker.kick_bytes = v; })
-      .def_property_readonly("wakes", [](const Store& s) { return s.worker.wakes.load(); })
       .def_property_readonly("last_trigger", &Store::last_trigger)
       .def_readonly("offloaded_bytes", &Store::offloaded_bytes)
       .def_readonly("reloaded_bytes", &Store::reloaded_bytes)
