@@ -251,16 +251,8 @@ def _limit(row: Row, plain: float, profile: Any, device: torch.device) -> tuple[
     if row.target == "copy":
         extra = copy_seconds(row.swapped, device)
         return plain * 1.02 + extra, f"<= copy {extra * 1e3:.2f} ms + 2%"
-    extra = recomputed_forward(profile, row.layers)
+    extra = sum(profile.replayed_forward(i) for i in row.layers)
     return plain * 1.02 + extra, f"<= fwd {extra * 1e3:.2f} ms + 2%"
-
-
-def recomputed_forward(profile: Any, layers: Any) -> float:
-    """Seconds of the forwards a whole-layer recompute of ``layers`` replays: each layer's ops' times, or its
-    forward measured in the profile's plain steps where longer (its modules' Python: Note: [layer forward time]
-    in ``profiler/_repeats.py``)."""
-    measured = profile.layer_forward or [0.0] * profile.num_layers
-    return sum(max(sum(u.fwd_time for u in profile.layer_units(i)), measured[i]) for i in layers)
 
 
 def table(spec: str, rows: list[Row], profile: Any, device: torch.device) -> list[dict[str, Any]]:

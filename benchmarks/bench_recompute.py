@@ -8,7 +8,7 @@ checkpoint] in ``adaptive_mem/runtime/_lean_checkpoint.py``) and under the reent
 hook at all: the floor); the one-unit select recompute of ``bench_machinery.py``. Each variant on its own copy of
 the model, one step of each per round (interleaved), after two untimed; medians of the step's CPU time of this
 thread (``time.thread_time``: other processes on a shared machine barely move it) and of its wall time. The
-target of ``bench_machinery.py`` is printed beside: the recomputed layers' forward (``recomputed_forward``) + 2 %.
+target of ``bench_machinery.py`` is printed beside: the recomputed layers' forward (``Profile.replayed_forward``) + 2 %.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from adaptive_mem import build_model, optimize, profile_step
 from search import Action, Decision, Plan
 
 sys.path.insert(0, __file__.rpartition("/")[0] or ".")
-from bench_machinery import _MUL, _unit, recomputed_forward  # noqa: E402
+from bench_machinery import _MUL, _unit  # noqa: E402
 
 _MODE = {"checkpoint": "lean"}
 _lean_applies = plan_context.lean_applies
@@ -72,7 +72,7 @@ def run_model(spec: str, rounds: int) -> None:
                 cpu.append(time.thread_time() - start_cpu)
                 wall.append(time.perf_counter() - start_wall)
     plain_cpu, plain_wall = statistics.median(runs[0][5]), statistics.median(runs[0][6])
-    forward = recomputed_forward(profile, layers)
+    forward = sum(profile.replayed_forward(i) for i in layers)
     print(f"\n{spec} b8 s128, 1 thread, medians of {rounds} interleaved rounds; recomputed layers' forward "
           f"{forward * 1e3:.2f} ms = {forward / plain_cpu * 100:.1f} % of plain's CPU time (target: that + 2 %)")
     print("| variant | CPU ms | vs plain | wall ms | vs plain |")

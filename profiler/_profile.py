@@ -263,6 +263,12 @@ class Profile:
     def layer_units(self, layer: int) -> list[UnitRecord]:
         return [u for u in self.units if u.layer == layer]
 
+    def replayed_forward(self, layer: int) -> float:
+        """Seconds a replay of layer ``layer`` as a whole takes: its units' forward times, or its measured forward
+        where longer (Note: [layer forward time] in ``profiler/_repeats.py``)."""
+        ops = sum(u.fwd_time for u in self.layer_units(layer))
+        return max(ops, self.layer_forward[layer]) if self.layer_forward else ops
+
     # ---------------------------------------------------------------- serialization
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

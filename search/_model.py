@@ -225,10 +225,12 @@ class StepModel:
 
 
 def _replay_extra(profile: Profile, units: list[UnitInfo], positions: list[list[int]]) -> list[float]:
-    """``StepModel.replay_extra``: each layer's measured forward beyond its units' times (0 without a measure)."""
-    wall = profile.layer_forward
-    return [max(0.0, wall[p - 1] - sum(units[i].fwd for i in members)) if members and 1 <= p <= len(wall) else 0.0
-            for p, members in enumerate(positions)]
+    """``StepModel.replay_extra``: each layer's replay (``Profile.replayed_forward``) beyond its units' times (0
+    without a measure)."""
+    if not profile.layer_forward:
+        return [0.0] * len(positions)
+    return [max(0.0, profile.replayed_forward(p - 1) - sum(units[i].fwd for i in members))
+            if members and 1 <= p <= profile.num_layers else 0.0 for p, members in enumerate(positions)]
 
 
 def _unit_infos(profile: Profile) -> tuple[list[UnitInfo], dict[str, int]]:

@@ -57,6 +57,7 @@ def test_a_whole_layer_replay_costs_the_measured_forward_where_longer(hf_profile
     for plan in (Plan(), swap):  # nothing replays: the measure changes nothing
         assert simulate(slow, plan).step_time == simulate(bare, plan).step_time
     # layer 0's Python beyond its ops is replayed with it: 4 ms more; layer 1's ops take longer than its measure
+    assert slow.replayed_forward(0) == units[0] + 0.004 and slow.replayed_forward(1) == units[1]
     assert simulate(slow, _recompute(slow, 0)).step_time == pytest.approx(
         simulate(bare, _recompute(bare, 0)).step_time + 0.004, abs=1e-9)
     assert simulate(slow, _recompute(slow, 1)).step_time == simulate(bare, _recompute(bare, 1)).step_time
