@@ -24,10 +24,10 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._cost import op_flops, op_seconds
+from ._leaves import tensor_leaves
 from ._other_memory import MemoryMeter, OtherMemory
 from ._profile import HardwareSpec
 from ._units import UnitNamer, in_machinery, is_view_op
@@ -93,10 +93,6 @@ class OpEvent:
     """How many tensors this op's autograd node saved (pack calls)."""
     view_ops: int = 0
     """Forward ops without an event of their own (views, detach, metadata) dispatched since the previous op."""
-
-
-def _tensors(tree: object) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
 class Recorder(TorchDispatchMode):
@@ -270,7 +266,7 @@ class Recorder(TorchDispatchMode):
         """A region marker or a parallel wrapper's own op (Note: [wrapper ops]): no unit; what it allocates is the
         wrapper's memory; its time is the step's, of no unit."""
         out, seconds = self._run(func, args, kwargs)
-        for t in _tensors(out):
+        for t in tensor_leaves(out):
             st = _storage(t)
             if st is not None and st.nbytes() and storage_key(t) not in self._alive:
                 self.other.add_wrapper(st)
@@ -295,10 +291,10 @@ class Recorder(TorchDispatchMode):
         seq = torch.autograd._get_sequence_nr()
         new_nodes = range(self._last_seq, seq)
         self._last_seq = seq
-        inputs = _tensors((args, kwargs))
+        inputs = tensor_leaves((args, kwargs))
         input_keys = {storage_key(t) for t in inputs}
         out, seconds = self._run(func, args, kwargs)
-        outputs = _tensors(out)
+        outputs = tensor_leaves(out)
         if unit is None:  # a view: allocates nothing; its nodes belong to the viewed storage's producer
             self._view_ops += 1
             owner = next((self._producer[k] for k in input_keys if k in self._producer), None)
@@ -330,8 +326,8 @@ class Recorder(TorchDispatchMode):
         # A wrapper's backward ops (FSDP2's reduce-scatter) are tracked like the gradients they make: their
         # outputs become the sharded gradients, which the profile counts as such.
         out, seconds = self._run(func, args, kwargs)
-        input_keys = {storage_key(t) for t in _tensors((args, kwargs))}
-        for t in _tensors(out):
+        input_keys = {storage_key(t) for t in tensor_leaves((args, kwargs))}
+        for t in tensor_leaves(out):
             self._track(t, input_keys)
         self.other.sample(self.live_bytes)
         if self.timing is None or is_view_op(func):

@@ -22,8 +22,10 @@ dispatched ``1 + view_ops`` times (its views with it), a saved tensor packed and
   forward; its calls in the replay, which stops early, are fewer and not counted; swapped units of such a layer
   pack their own saved tensors.
 
-What the runtime does beyond this (hooks kept entered past a scope whose output holds a swapped storage, the
-replay's calls) makes the counted calls differ from these by a small factor; ``bench_machinery.py`` prints both.
+What the runtime does beyond this (hooks kept entered past a scope whose output holds a swapped storage up to its
+last save, so the other saves between pack too: Note: [hooks leave after the last save] in
+``adaptive_mem/runtime/_escapes.py``; the replay's calls) makes the counted calls differ from these by a small
+factor; ``bench_machinery.py`` prints both.
 
 Each dispatch call costs ``hardware.dispatch_call_time`` seconds and each pack or unpack call
 ``hardware.hook_call_time``, both measured by ``adaptive_mem.calibrate`` (0 in profiles without them: the term

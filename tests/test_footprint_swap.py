@@ -5,11 +5,14 @@ Each plan's step is bit-identical to the same step with no plan."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from adaptive_mem import build_model, optimize
+from adaptive_mem import DeviceMemory, build_model, optimize
+from adaptive_mem.runtime._swap_engine import SwapEngine
 from adaptive_mem.runtime._footprint import FOOTPRINT
 from search import Plan
 from _deterministic import assert_same_step, deterministic, seeded_step  # noqa: F401 - fixture used by name
@@ -40,9 +43,9 @@ class _Ops(TorchDispatchMode):
         return t
 
 
-def _inside(paths: list[str]) -> tuple[int, int, int]:
+def _inside(paths: list[str], spec: str = "llama-tiny") -> tuple[int, int, int]:
     """(ops run inside the modules at ``paths``, tensors saved there, ops of the whole forward) in one plain step."""
-    bundle = build_model("llama-tiny", seed=0)
+    bundle = build_model(spec, seed=0)
     counter = _Ops([bundle.model.get_submodule(p) for p in paths])
     whole = _Ops([bundle.model])
     with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t), counter, whole:
@@ -50,14 +53,36 @@ def _inside(paths: list[str]) -> tuple[int, int, int]:
     return counter.ops, counter.saved, whole.ops
 
 
-def _counts(decisions: dict, *, first: bool = False) -> tuple[dict[str, int], int]:
-    """FOOTPRINT of the second planned step of llama-tiny (with ``first``, of the first), exact against no plan,
-    and the bytes it offloaded."""
-    bundle = build_model("llama-tiny", seed=0)
+def _save_window(path: str, spec: str) -> int:
+    """In one plain step: the saves autograd makes from the output of the module at ``path`` to the last save of
+    that output's storage, both included (what a pack hook entered there and left at that save sees)."""
+    bundle = build_model(spec, seed=0)
+    keys: set[int] = set()
+    seen = {"packs": 0, "window": 0}
+    bundle.model.get_submodule(path).register_forward_hook(
+        lambda m, a, out: keys.add(out.untyped_storage()._cdata))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if keys:
+            seen["packs"] += 1
+            if t.untyped_storage()._cdata in keys:
+                seen["window"] = seen["packs"]
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        bundle.loss(bundle.batch(seed=0)).backward()
+    return seen["window"]
+
+
+def _counts(decisions: dict, *, first: bool = False, spec: str = "llama-tiny",
+            cap: int | None = None) -> tuple[dict[str, int], int]:
+    """FOOTPRINT of the second planned step of ``spec`` (with ``first``, of the first), exact against no plan,
+    and the bytes it offloaded; with ``cap``, the planned steps run under ``DeviceMemory(cap=cap)``."""
+    bundle = build_model(spec, seed=0)
     batch = bundle.batch(seed=0)
     want = seeded_step(bundle, batch)
     plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions})
-    with optimize(bundle.model, plan=plan) as handle:
+    with optimize(bundle.model, plan=plan) as handle, \
+            DeviceMemory(cap=cap, track_existing=False) if cap else contextlib.nullcontext():
         for step in range(1 if first else 2):
             before = handle.swap_stats.offloaded_bytes
             FOOTPRINT.reset()
@@ -92,38 +117,54 @@ def test_a_storage_saved_inside_its_module_keeps_the_tracker():
     assert 0 < counts["dispatch"] <= 2 * ops + saved < model_ops // 2
 
 
-@pytest.mark.parametrize("prefetch, triggers", [(1, [0, 1]), (2, [0, 1, 2]), (0, [])])
-def test_backward_triggers_only_where_a_reload_is_due(prefetch, triggers, monkeypatch):
-    """Note: [triggers where due]: a swap in layer 0 reloaded ``prefetch`` layers ahead hooks the outputs of
-    layers 0 .. 0 + prefetch (the trigger and the layers a deferred reload may wait for), none above them and not
-    the model's; on demand (prefetch 0) none at all. llama-tiny has 4 layers. Copies on the copy thread, where a
-    prefetch overlaps compute (Note: [reload at the unpack] in ``_copier.py``)."""
+@pytest.mark.parametrize("capped", [False, True], ids=["uncapped", "capped"])
+@pytest.mark.parametrize("prefetch", [1, 2, 0])
+def test_backward_triggers_only_where_a_reload_is_due(prefetch, capped, monkeypatch):
+    """Note: [triggers where due]: a swap in layer 0 reloaded ``prefetch`` layers ahead hooks the output of layer
+    0 + prefetch alone, where every reload is issued at its trigger (no device cap); under a cap, where a reload
+    that does not fit waits for the next layer's trigger, the outputs of layers 0 .. 0 + prefetch; never the
+    model's, none above; on demand (prefetch 0) none at all. llama-tiny has 4 layers. Copies on the copy thread,
+    where a prefetch overlaps compute (Note: [reload at the unpack] in ``_copier.py``)."""
     monkeypatch.setattr("adaptive_mem.runtime._copier.INLINE_BYTES", 0)
-    counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": prefetch}})
+    fired: list[int] = []
+    on_backward = SwapEngine.on_backward
+    monkeypatch.setattr(SwapEngine, "on_backward", lambda self, layer: (fired.append(layer), on_backward(self, layer)))
+    decisions = {"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": prefetch}}
+    counts, offloaded = _counts(decisions, cap=1 << 40 if capped else None)
+    want = [] if prefetch == 0 else list(range(prefetch, -1, -1)) if capped else [prefetch]
     assert offloaded > 0
-    assert counts["trigger"] == len(triggers)
+    assert counts["trigger"] == len(want)
+    assert fired[len(fired) - len(want):] == want  # the second step's, in backward order
 
 
-@pytest.mark.parametrize("overlap, triggers", [(False, 0), (True, 2)], ids=["inline", "overlapped"])
+@pytest.mark.parametrize("overlap, triggers", [(False, 0), (True, 1)], ids=["inline", "overlapped"])
 def test_reloads_the_cpu_copier_runs_inline_need_no_trigger(overlap, triggers, monkeypatch):
     """Note: [reload at the unpack]: the CPU copier runs these copies inline, so the swap's reload waits for its
     unpack: no gradient hook at all, and the step is still the plain one bit for bit (``_counts`` checks it).
     Where the native store's worker runs them (Note: [overlapped native copies]), the reload starts at its trigger:
-    the hooks of a prefetch one layer ahead, as on the copy thread."""
+    the hook of a prefetch one layer ahead, as on the copy thread."""
     monkeypatch.setattr("adaptive_mem.runtime._native_swap.core_to_spare", lambda: overlap)
     counts, offloaded = _counts({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 1}})
     assert offloaded > 0 and counts["trigger"] == triggers and counts["pack"] > 0
 
 
-def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_the_layer_end():
-    """silu's output leaves its module and is saved by the feed-forward's mul: the hooks stay entered for that save
-    (it is offloaded) and leave at the layer's end, not the forward's."""
-    counts, offloaded = _counts({"layers.0.feed_forward.w1.activation.silu": SWAP})
-    ops, _, _ = _inside(["layers.0.feed_forward.w1.activation"])
-    _, layer_saved, _ = _inside(["layers.0"])
-    assert offloaded > 0
-    assert counts["dispatch"] <= 2 * ops
-    assert 0 < counts["pack"] < layer_saved
+@pytest.mark.parametrize("spec, unit, module", [
+    ("llama-tiny", "layers.0.feed_forward.w1.activation.silu", "layers.0.feed_forward.w1.activation"),
+    ("hf:llama", "model.layers.0.mlp.gate_proj.matmul", "model.layers.0.mlp.gate_proj"),
+])
+def test_a_swap_storage_leaving_its_module_keeps_the_hooks_to_its_last_save(spec, unit, module):
+    """Note: [hooks leave after the last save]: the unit's output leaves its module and is saved outside it (by
+    the feed-forward's mul; by the MLP's activation). The first step keeps the hooks entered to the layer's end
+    (every later save of the layer packs); from the second on they leave at the unit's last save, so the pack
+    calls are the saves from its output to its last save, and the same bytes are offloaded (``_counts`` checks each
+    step bit for bit)."""
+    first, first_offloaded = _counts({unit: SWAP}, first=True, spec=spec)
+    counts, offloaded = _counts({unit: SWAP}, spec=spec)
+    _, layer_saved, _ = _inside([module.split(".feed_forward")[0].split(".mlp")[0]], spec)
+    window = _save_window(module, spec)
+    assert offloaded == first_offloaded > 0
+    assert window < first["pack"] < layer_saved
+    assert counts["pack"] == counts["unpack"] == window >= 1
 
 
 def test_op_level_swaps_in_two_layers():

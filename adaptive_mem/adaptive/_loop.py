@@ -27,9 +27,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import ModelStructure
+from profiler.tracing import tensor_leaves
 from search import Plan, fmt_bytes
 
 from adaptive_mem.memory._oom import OomHook, make_hook
@@ -255,7 +255,7 @@ class AdaptiveMemory(BucketWarmup):
         if self.budget is None:
             self.budget = default_budget(self.hook, self.device)
         self.manager.prefetch_reserve = int(self.prefetch_reserve * self.budget)
-        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        tensors = tensor_leaves((args, kwargs))
         try:
             shape = self._shape = self.buckets.shape(tensors, self.ranks)
             self.state.kind = "steady" if self.converged else "adapt"
@@ -274,8 +274,8 @@ class AdaptiveMemory(BucketWarmup):
         if output is None:  # the forward raised
             self._abandon()
             return
-        t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
-                  if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        t = next((x for x in tensor_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+                  if x.requires_grad), None)
         if t is None:
             self._end_step()
             return

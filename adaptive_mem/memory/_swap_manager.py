@@ -23,10 +23,10 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import named_modules
 from profiler.naming import ModelStructure
+from profiler.tracing import tensor_leaves
 
 from adaptive_mem.runtime._accounting import host_allocations
 from adaptive_mem.runtime._copier import ThreadCopier
@@ -174,8 +174,8 @@ class SwapManager:
         self._live_params = None
         if not torch.is_grad_enabled():
             return
-        t = next((x for x in tree_flatten(output.to_tuple() if hasattr(output, "to_tuple") else output)[0]
-                  if isinstance(x, torch.Tensor) and x.requires_grad), None)
+        t = next((x for x in tensor_leaves(output.to_tuple() if hasattr(output, "to_tuple") else output)
+                  if x.requires_grad), None)
         if t is not None:
             me = weakref.ref(self)  # the graph must not keep the manager (and the model) alive
             t.register_hook(lambda grad: me() is not None and me()._on_backward(i))

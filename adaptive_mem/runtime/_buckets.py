@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import ModelStructure, split_fingerprint
+from profiler.tracing import tensor_leaves
 from search import Plan, PlanError, seq_len_bucket
 
 from adaptive_mem.runtime._apply import OptimizeHandle, apply_plan, trace_units
@@ -39,8 +39,7 @@ log = logging.getLogger(__name__)
 def seq_len_of(args: tuple, kwargs: dict | None = None) -> int | None:
     """The step's sequence length: dim 1 of its first integer tensor of two or more dims (``input_ids`` [batch,
     seq]; packed, batch 1: the total tokens), else of its first tensor of two or more dims; None without one."""
-    tensors = [t for t in tree_flatten((tuple(args), dict(kwargs or {})))[0]
-               if isinstance(t, torch.Tensor) and t.dim() >= 2]
+    tensors = [t for t in tensor_leaves((tuple(args), dict(kwargs or {}))) if t.dim() >= 2]
     ints = [t for t in tensors if not (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool)]
     pick = ints[0] if ints else (tensors[0] if tensors else None)
     return None if pick is None else int(pick.shape[1])

@@ -29,10 +29,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode, _pop_mode_temporarily
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
-from profiler.tracing import fresh_code, with_code
+from profiler.tracing import fresh_code, tensor_leaves, with_code
 
 from ._op_swap import OpSwaps
 from ._plan_context import PlanContext
@@ -197,9 +196,8 @@ class CompiledBlocks:
             if prefetch is not None and i not in ctx.res.input_swaps:  # its outputs are the swapped layer's, as the
                 # op tracker records them eagerly
                 label = ctx.res.layers.layer_path(i)
-                for t in tree_flatten(out)[0]:
-                    if isinstance(t, torch.Tensor):
-                        produced(self.swaps.producer, t, label, i, prefetch)
+                for t in tensor_leaves(out):
+                    produced(self.swaps.producer, t, label, i, prefetch)
             self.swaps.on_grad_of(out, i)
             return out
 

@@ -20,7 +20,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from profiler.tracing import tensor_leaves
 
 from ._host_marks import extension, in_host_block, is_host_storage
 
@@ -201,9 +202,8 @@ class DispatchCounter:
         if in_host_block():
             return
         peak_before, added, before = self.peak, 0, self.allocations
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                added += self.register(t, mem.device)
+        for t in tensor_leaves(out):
+            added += self.register(t, mem.device)
         if self._scheduled and self._scheduled[-1][0] <= self.allocations and self.allocations > before:
             self.faults += 1
             mem._run_hooks(0, self._scheduled.pop()[1])

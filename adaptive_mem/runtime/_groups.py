@@ -21,7 +21,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+
+from profiler.tracing import tensor_leaves
 
 from ._layer_cache import cache_snapshot, has_cache, replays_on_snapshot
 from ._plan_context import PlanContext
@@ -33,10 +34,8 @@ log = logging.getLogger(__name__)
 
 
 def _first_tensor(obj: Any) -> torch.Tensor | None:
-    for leaf in tree_flatten(obj)[0]:
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    return None
+    leaves = tensor_leaves(obj)
+    return leaves[0] if leaves else None
 
 
 def _hidden_of(args: tuple, kwargs: dict) -> torch.Tensor | None:

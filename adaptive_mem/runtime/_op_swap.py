@@ -10,7 +10,8 @@ the calls of the *scope modules*, for each swap target the module it names (an o
 op; a container that is never called: each of its modules), outermost first. The tracker leaves with the scope.
 A scope that returns a storage a swap unit produced keeps the saved-tensor hooks entered (a later op may save it)
 up to the end of the first layer call that does not return it (its locals die with the call: a layer's output
-is saved by the next layer at the latest), or of the forward. A layer swapped as a whole needs no tracker: what
+is saved by the next layer at the latest), or of the forward; from the second forward on, only up to its last save
+(Note: [hooks leave after the last save] in ``_escapes.py``). A layer swapped as a whole needs no tracker: what
 its call saves is its units' but its inputs', its parameters' and buffers' (the rule of the compiled blocks,
 Note: [swap around compiled blocks]), and its outputs are recorded as its units'. So a plan deciding one unit
 costs a dispatch call per op of its scope module and a pack call per tensor saved there, never one per op of the
@@ -33,12 +34,12 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import is_compile_wrapper
-from profiler.tracing import with_code
+from profiler.tracing import tensor_leaves, with_code
 from search import Action
 
+from ._escapes import Escapes
 from ._footprint import FOOTPRINT
 from ._op_level import eager_only, outside_dynamo
 from ._plan_context import PlanContext
@@ -85,7 +86,7 @@ class OpSwaps:
         self.fixed: tuple[int, int, str] | None = None  # inside such a layer's call, tracked: its ``whole`` entry
         self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
         self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
-        self.escaped: list[Any] = []  # weak swap storages that left a scope in its outputs, while the hooks stay
+        self.escapes = Escapes()  # Note: [hooks leave after the last save]
         self.marks = ScopeMarks()  # Note: [scopes by their boundaries]
 
     def named_roots(self) -> list[nn.Module]:
@@ -144,6 +145,7 @@ class OpSwaps:
         self.pop()
         if self.pushed:
             return
+        self.escapes.end_forward()
         self.producer.clear()
         self.ctx.engine.end_forward()
         self.on_grad_of(output, self.ctx.num_layers)
@@ -199,11 +201,11 @@ class OpSwaps:
             self.marks.end(module, self.producer)
         bare = self.bare
         if bare is not None:  # the layer's outputs are its units' (the tracker would have seen them made)
-            for t in tree_flatten(outputs(output))[0]:
-                if isinstance(t, torch.Tensor) and local_shard(t).untyped_storage()._cdata not in self.inputs:
+            for t in tensor_leaves(outputs(output)):
+                if local_shard(t).untyped_storage()._cdata not in self.inputs:
                     produced(self.producer, t, bare[2], bare[0], bare[1])
-        self.escaped.extend(self._escaping(output))
-        if self.escaped:
+        self.escapes.add(self._escaping(output))
+        if self.escapes and not self.escapes.done():
             self._enter_hooks()
         self._leave_scope(keep_hooks=True)
         self._release()
@@ -227,33 +229,42 @@ class OpSwaps:
         if self.hooks is not None and not keep_hooks:
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
-            self.escaped.clear()
+            self.escapes.clear()
 
-    def _escaping(self, output: Any) -> list[Any]:
-        """Weak references to the storages in ``output`` that a swap unit produced (a later op may save them)."""
+    def _escaping(self, output: Any) -> list[tuple[Any, str]]:
+        """(weak storage, unit) of the storages in ``output`` that a swap unit produced (a later op may save them)."""
         producer = self.producer
         if not producer:
             return []
         out = []
-        for t in tree_flatten(outputs(output))[0]:
-            if isinstance(t, torch.Tensor):
-                st = local_shard(t).untyped_storage()
-                info = producer.get(st._cdata)
-                if info is not None and info[0]() is st:
-                    out.append(info[0])
+        for t in tensor_leaves(outputs(output)):
+            st = local_shard(t).untyped_storage()
+            info = producer.get(st._cdata)
+            if info is not None and info[0]() is st:
+                out.append((info[0], info[1]))
         return out
 
     def _release(self, layer_output: Any = None) -> None:
-        """Out of every scope, the saved-tensor hooks leave once no storage escaped a scope (Note: [swap scopes]);
-        at a layer's end (``layer_output``), escaped storages it does not return are taken as dead."""
+        """Out of every scope, the saved-tensor hooks leave once no storage escaped a scope (Note: [swap scopes])
+        or the escaped ones had their saves (Note: [hooks leave after the last save]); at a layer's end
+        (``layer_output``), escaped storages it does not return are taken as dead."""
         if self.hooks is None or self.entered:
             return
-        if layer_output is not None and self.escaped:
-            returned = storage_keys(outputs(layer_output))
-            self.escaped = [ref for ref in self.escaped if (st := ref()) is not None and st._cdata in returned]
-        if not self.escaped:
+        escapes = self.escapes
+        if layer_output is not None and escapes:
+            escapes.keep_returned(storage_keys(outputs(layer_output)))
+        if not escapes or escapes.done():
             hooks, self.hooks = self.hooks, None
             hooks.__exit__(None, None, None)
+
+    def _leave_in_pack(self) -> None:
+        """Note: [hooks leave after the last save]: the escaped storages had their saves; the hooks leave inside
+        their own pack call (autograd holds the hooks it is calling; ours are the innermost, as ours pack)."""
+        top = outer_hooks()
+        if self.scoped and self.hooks is not None and top is not None and top[0] == self.pack:
+            hooks, self.hooks = self.hooks, None
+            hooks.__exit__(None, None, None)
+            self.escapes.clear()
 
     def on_grad_of(self, output: Any, index: int) -> None:
         """Backward of ``output`` begins layer ``index``'s: the engine's prefetch trigger, where one is due (Note:
@@ -264,8 +275,7 @@ class OpSwaps:
         if type(output) is torch.Tensor:
             t = output if output.requires_grad else None
         else:
-            t = next((x for x in tree_flatten(outputs(output))[0]
-                      if isinstance(x, torch.Tensor) and x.requires_grad), None)
+            t = next((x for x in tensor_leaves(outputs(output)) if x.requires_grad), None)
         if t is not None:
             FOOTPRINT.trigger += 1
             t.register_hook(functools.partial(_trigger, engine, index))
@@ -289,6 +299,8 @@ class OpSwaps:
         if type(t) is not nn.Parameter:  # a parameter is never swapped (and holds no grad_fn)
             packed = self._swap(t)  # its record drops ``t`` once the offload copy landed: no lasting cycle
             if packed is not None:
+                if self.escapes and not self.entered and self.escapes.done():
+                    self._leave_in_pack()
                 return packed
             t = no_cycle(t)
         outer = self.outer if self.hooks is not None else None
@@ -318,6 +330,7 @@ class OpSwaps:
         if info is None or info[0]() is not st or key in self._frozen(info[2]):
             return None  # Note: [parameter storages are never swapped] in _swap_engine.py
         self.marks.saved_here(key)
+        self.escapes.saved(info[1])
         return self.ctx.engine.offload(t, label=info[1], layer=info[2], prefetch=info[3])
 
     def _frozen(self, layer: int) -> set[int]:

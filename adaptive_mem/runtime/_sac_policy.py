@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import CheckpointPolicy
 
 from profiler.naming import OpCounter, UnitNamer
-from profiler.tracing import install_fake_fallbacks
+from profiler.tracing import install_fake_fallbacks, tensor_leaves
 
 from ._footprint import FOOTPRINT
 from ._swap_engine import no_cycle
@@ -80,7 +80,7 @@ class LayerTrace:
 
 
 def _storages(out: Any) -> list[int]:
-    return [t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    return [t.untyped_storage()._cdata for t in tensor_leaves(out)]
 
 
 class _Recorder(TorchDispatchMode):

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_flatten
+
+from profiler.tracing import tensor_leaves
 
 from ._swap_engine import local_shard
 
@@ -69,19 +70,18 @@ class ScopeMarks:
         if self.lit is not None:
             mark = self.lit.get(index)
             if mark is not None and mark[0] == id(module):
-                flat = tree_flatten(tree)[0]
+                flat = tensor_leaves(tree)
                 for pos, unit in mark[1]:
-                    if pos < len(flat) and isinstance(flat[pos], torch.Tensor):
+                    if pos < len(flat):
                         record(flat[pos], unit)
             return
         made = self.made
         if not made:
             return
-        for pos, t in enumerate(tree_flatten(tree)[0]):
-            if isinstance(t, torch.Tensor):
-                key = local_shard(t).untyped_storage()._cdata
-                if key in made and key not in self.saved and key not in self.located:
-                    self.located[key] = (index, id(module), pos)
+        for pos, t in enumerate(tensor_leaves(tree)):
+            key = local_shard(t).untyped_storage()._cdata
+            if key in made and key not in self.saved and key not in self.located:
+                self.located[key] = (index, id(module), pos)
 
     def end(self, module: Any, producer: dict[int, tuple[Any, str, int, int]]) -> None:
         """The scope call ends (the caller then resets); learning, its marks are kept (``producer``: storage ->

@@ -36,12 +36,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from adaptive_mem.config._collective_names import layout_styles
 from profiler.naming import is_compile_wrapper
-from profiler.tracing import with_code
+from profiler.tracing import tensor_leaves, with_code
 from search import Action, Plan
 from search.planning import matches
 
@@ -322,9 +322,8 @@ class SelectiveLayers:
             assert all(a != "swap" for a in state.actions.values())
 
         def on_swap_output(out: Any, unit: str) -> None:
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    state.swap_outputs[t.untyped_storage()._cdata] = unit
+            for t in tensor_leaves(out):
+                state.swap_outputs[t.untyped_storage()._cdata] = unit
 
         cached = kept_collectives(ctx.plan, trace.units)
         def named() -> SacPolicy:

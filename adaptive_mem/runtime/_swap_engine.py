@@ -165,11 +165,16 @@ class SwapEngine:
 
     # ------------------------------------------------------------------ backward
     def wants_trigger(self, layer: int) -> bool:
-        """Note: [triggers where due]. A backward trigger at ``layer`` can issue a reload: a scheduled one is due
-        there or later (their triggers only rise with the layers of later offloads). Asked at the end of the
-        layer's forward, it says whether the layer's output needs the trigger's gradient hook: a layer below every
-        trigger gets none, as a record's deferred reload (Note: [budget-aware prefetch]) never needs a trigger
-        below its own layer (its unpack comes first). tests/test_footprint_swap.py counts the triggers."""
+        """Note: [triggers where due]. Asked at the end of ``layer``'s forward: whether the layer's output needs a
+        backward trigger's gradient hook. Every reload that trigger could issue is scheduled by then (a trigger is
+        its record's layer plus its prefetch distance, so later offloads only add higher ones). Without a
+        ``headroom`` every reload is issued at its own trigger, so only a layer a reload is scheduled at gets one.
+        With one, a reload that did not fit waits for the next layer's trigger (Note: [budget-aware prefetch]), so
+        every layer from the highest trigger down gets one, but none below every trigger: a record's deferred
+        reload never needs a trigger below its own layer (its unpack comes first). tests/test_footprint_swap.py
+        counts the triggers."""
+        if self.headroom() is None:
+            return layer in self._pending or (self.store is not None and self.store.has_trigger(layer))
         return any(k >= layer for k in self._pending) or self._native_due(layer)
 
     def _native_due(self, layer: int) -> bool:  # Note: [overlapped native copies]

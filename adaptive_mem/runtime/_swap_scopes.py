@@ -9,9 +9,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from profiler.naming import named_modules
+from profiler.tracing import tensor_leaves
 from search import Action
 
 from ._footprint import FOOTPRINT
@@ -43,10 +43,9 @@ class Tracker(TorchDispatchMode):
         info = fixed if fixed is not None else swaps.swap_info(unit)
         if info is not None:
             label = unit if fixed is None else fixed[2]
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    key = produced(swaps.producer, t, label, info[0], info[1])
-                    swaps.marks.made_here(key)  # Note: [scopes by their boundaries]
+            for t in tensor_leaves(out):
+                key = produced(swaps.producer, t, label, info[0], info[1])
+                swaps.marks.made_here(key)  # Note: [scopes by their boundaries]
         return out
 
 
@@ -136,8 +135,7 @@ def _called(path: str, module: nn.Module) -> dict[str, nn.Module]:
 
 def storage_keys(tree: Any) -> frozenset[int]:
     """The keys (``_cdata``) of the storages of the tensors in ``tree`` (a DTensor's: its local shard's)."""
-    return frozenset(local_shard(t).untyped_storage()._cdata for t in tree_flatten(tree)[0]
-                     if isinstance(t, torch.Tensor))
+    return frozenset(local_shard(t).untyped_storage()._cdata for t in tensor_leaves(tree))
 
 
 def outputs(output: Any) -> Any:

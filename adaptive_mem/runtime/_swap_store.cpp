@@ -158,6 +158,11 @@ struct Store : std::enable_shared_from_this<Store> {
     return pending.empty() ? -1 : pending.rbegin()->first;
   }
 
+  bool has_trigger(int layer) {  // a prefetch waits for the trigger at exactly this layer
+    std::lock_guard<std::mutex> lock(mu);
+    return pending.count(layer) > 0;
+  }
+
   py::object offload(const at::Tensor& t, const std::string& label, int trigger, int64_t limit);
   void prefetch(int layer, int64_t room);
   int64_t evict(int64_t needed);
@@ -354,6 +359,7 @@ void bind_swap_store(py::module_& m) {
           "window_bytes", [](const Store& s) { return s.worker.window_bytes; },
           [](Store& s, int64_t v) { s.worker.window_bytes = v; })
       .def_property_readonly("last_trigger", &Store::last_trigger)
+      .def("has_trigger", &Store::has_trigger, py::arg("layer"))
       .def_readonly("offloaded_bytes", &Store::offloaded_bytes)
       .def_readonly("reloaded_bytes", &Store::reloaded_bytes)
       .def_readonly("on_demand_reloads", &Store::on_demand_reloads)
