@@ -77,6 +77,7 @@ def _record_offloads(handle: Any) -> list[tuple[str, int, int, int, int]]:
     swapped: list[tuple[str, int, int, int, int]] = []
     if engine is None:
         return swapped
+    engine.store = None  # every save a Python record, which the spy sees (a layer's C++ pack calls the store itself)
     offload = engine.offload
     records: list[Any] = []  # held for the case: a record's number must not be reused
 

@@ -24,7 +24,7 @@ import torch
 __all__ = ["load_extension", "extension_name", "build_directory"]
 
 _SOURCES = [Path(__file__).with_name(name) for name in ("_cpu_allocator.cpp", "_swap_store.cpp")]
-_HEADERS = [Path(__file__).with_name("_swap_worker.h")]  # included by the sources: part of the build's name
+_HEADERS = [Path(__file__).with_name(name) for name in ("_swap_worker.h", "_layer_pack.h")]  # included by the sources: part of the build's name
 _lock = threading.Lock()
 _module: ModuleType | None = None
 _error: RuntimeError | None = None

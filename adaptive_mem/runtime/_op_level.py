@@ -31,7 +31,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["eager_only", "outside_dynamo"]
+from profiler.tracing import with_code
+
+__all__ = ["eager_only", "outside_dynamo", "planned_forward"]
 
 
 def outside_dynamo(fn: Callable[..., Any], *, eager_callees: bool = False) -> Callable[..., Any]:
@@ -66,3 +68,18 @@ def eager_only(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _callback: Callable[[], Any] = torch._C._dynamo.eval_frame.get_eval_frame_callback
 """The frame evaluation callback dynamo has set for this thread (None: frames run as plain Python)."""
+
+
+def planned_forward(forward: Callable[..., Any]) -> Callable[..., Any]:
+    """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
+    [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
+    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``profiler/_partitions.py``). Its code object
+    is one per plan (:func:`with_code`): dynamo compiles the planned model anew, never serving the graph of an
+    earlier plan, and the graph meets the pass."""
+    eager = outside_dynamo(forward)
+
+    def forward_with_plan(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            return forward(*args, **kwargs)
+        return eager(*args, **kwargs)
+    return functools.wraps(forward)(with_code(forward_with_plan))

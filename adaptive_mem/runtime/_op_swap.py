@@ -41,7 +41,8 @@ from search import Action
 
 from ._escapes import Escapes
 from ._footprint import FOOTPRINT
-from ._op_level import eager_only, outside_dynamo
+from ._layer_pack import LayerHooks
+from ._op_level import eager_only, planned_forward
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._native_swap import is_handle
@@ -87,6 +88,8 @@ class OpSwaps:
         self.bare: tuple[int, int, str] | None = None  # the same, untracked (the hooks enter with the scopes)
         self.inputs: frozenset[int] = frozenset()  # the storages of that layer call's inputs
         self.escapes = Escapes()  # Note: [hooks leave after the last save]
+        self.layer_hooks: LayerHooks | None = None  # Note: [whole-layer pack in C++], made at the first use
+        self.native = False  # the hooks entered are a layer's C++ ones
         self.marks = ScopeMarks()  # Note: [scopes by their boundaries]
 
     def named_roots(self) -> list[nn.Module]:
@@ -119,7 +122,7 @@ class OpSwaps:
             model = model._orig_mod
         had = "forward" in model.__dict__
         ctx.forwards.append((model, had, model.__dict__.get("forward")))
-        model.forward = _two_way(model.__dict__["forward"] if had else type(model).forward.__get__(model))
+        model.forward = planned_forward(model.__dict__["forward"] if had else type(model).forward.__get__(model))
 
     def close(self) -> None:
         while self.pushed:
@@ -177,13 +180,32 @@ class OpSwaps:
             return
         if whole is None and self.marks.begin(module):  # Note: [scopes by their boundaries]
             return
-        self._enter_hooks()
         if whole is not None:
             self.bare = whole
             self.inputs = storage_keys((args, kwargs))
+            self._enter_layer_hooks(whole)
             return
+        self._enter_hooks()
         self.tracker = Tracker(self)
         self.tracker.__enter__()
+
+    def _enter_layer_hooks(self, whole: tuple[int, int, str]) -> None:
+        """A layer swapped as a whole: its call's hooks in C++ where the engine has a native store (Note: [whole-layer
+        pack in C++] in ``_layer_pack.h``), else the Python ones; hooks entered for escaped storages leave for it."""
+        if not LayerHooks.available(self.ctx.engine, self.ctx.opaque):
+            self._enter_hooks()
+            return
+        self._exit_hooks()
+        if self.layer_hooks is None:
+            self.layer_hooks = LayerHooks(self.ctx.engine, self.pack, self.unpack)
+        self.outer = outer_hooks()  # Note: [scope hooks chain outward]
+        self.hooks = self.layer_hooks.enter(whole, self.inputs, functools.partial(self._frozen, whole[0]), self.outer)
+        self.native = True
+
+    def _exit_hooks(self) -> None:
+        if self.hooks is not None:
+            hooks, self.hooks, self.native = self.hooks, None, False
+            hooks.__exit__(None, None, None)
 
     def _enter_hooks(self) -> None:
         if self.hooks is None:
@@ -197,6 +219,8 @@ class OpSwaps:
         self.entered.pop()
         if self.entered:
             return
+        if self.native:  # the layer's C++ hooks leave with its call; escaped outputs get the Python ones
+            self._exit_hooks()
         if self.marks.watching:
             self.marks.end(module, self.producer)
         bare = self.bare
@@ -227,8 +251,7 @@ class OpSwaps:
             tracker, self.tracker = self.tracker, None
             tracker.__exit__(None, None, None)
         if self.hooks is not None and not keep_hooks:
-            hooks, self.hooks = self.hooks, None
-            hooks.__exit__(None, None, None)
+            self._exit_hooks()
             self.escapes.clear()
 
     def _escaping(self, output: Any) -> list[tuple[Any, str]]:
@@ -254,16 +277,14 @@ class OpSwaps:
         if layer_output is not None and escapes:
             escapes.keep_returned(storage_keys(outputs(layer_output)))
         if not escapes or escapes.done():
-            hooks, self.hooks = self.hooks, None
-            hooks.__exit__(None, None, None)
+            self._exit_hooks()
 
     def _leave_in_pack(self) -> None:
         """Note: [hooks leave after the last save]: the escaped storages had their saves; the hooks leave inside
         their own pack call (autograd holds the hooks it is calling; ours are the innermost, as ours pack)."""
         top = outer_hooks()
         if self.scoped and self.hooks is not None and top is not None and top[0] == self.pack:
-            hooks, self.hooks = self.hooks, None
-            hooks.__exit__(None, None, None)
+            self._exit_hooks()
             self.escapes.clear()
 
     def on_grad_of(self, output: Any, index: int) -> None:
@@ -376,18 +397,3 @@ class OpSwaps:
 
 def _trigger(engine: Any, index: int, grad: torch.Tensor) -> None:
     engine.on_backward(index)
-
-
-def _two_way(forward: Callable[..., Any]) -> Callable[..., Any]:
-    """The model's forward under a plan with swaps. Eager, it runs outside dynamo with the swap hooks (Note:
-    [compile honoured]); traced by dynamo (the whole model compiled), it is the plain forward, and a pass over the
-    partitioned graphs places the swaps in them (Note: [partitioner hook] in ``profiler/_partitions.py``). Its code object
-    is one per plan (:func:`with_code`): dynamo compiles the planned model anew, never serving the graph of an
-    earlier plan, and the graph meets the pass."""
-    eager = outside_dynamo(forward)
-
-    def planned_forward(*args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():
-            return forward(*args, **kwargs)
-        return eager(*args, **kwargs)
-    return functools.wraps(forward)(with_code(planned_forward))

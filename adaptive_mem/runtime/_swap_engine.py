@@ -127,12 +127,15 @@ class SwapEngine:
         :class:`Packed` on a Python record."""
         store = self.store
         if store is not None and type(t) is torch.Tensor:
-            trigger = min(layer + prefetch, self.num_layers) if prefetch > 0 else -1
-            limit = _ANY_SIZE if store.overlap else self.copier.inline_bytes  # Note: [overlapped native copies]
-            handle = store.offload(t, label, trigger, limit)
+            handle = store.offload(t, label, *self.native_terms(layer, prefetch))
             if handle is not None:
                 return handle
         return self._offload(t, label=label, layer=layer, prefetch=prefetch)
+
+    def native_terms(self, layer: int, prefetch: int) -> tuple[int, int]:
+        """(trigger layer or -1, largest storage) of a native store's offload of a save in ``layer``."""
+        trigger = min(layer + prefetch, self.num_layers) if prefetch > 0 else -1
+        return trigger, _ANY_SIZE if self.store.overlap else self.copier.inline_bytes  # Note: [overlapped native copies]
 
     @machinery_scope()  # Note: [machinery ops]: the host buffer, the copy where it runs inline
     def _offload(self, t: torch.Tensor, *, label: str, layer: int, prefetch: int) -> Packed:

@@ -30,6 +30,7 @@
 // are dropped by the store's next call (a save, an unpack, a trigger, a forward's start or end, a drain).
 #include <ATen/ATen.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include "_swap_worker.h"
@@ -42,6 +43,7 @@
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -332,11 +334,14 @@ int64_t Store::close() {  // drops the free buffers; returns their bytes (for th
   return bytes;
 }
 
+#include "_layer_pack.h"
+
 }  // namespace
 
 namespace adaptive_mem_native {
 
 void bind_swap_store(py::module_& m) {
+  bind_layer_packer(m);
   py::class_<Stored, std::shared_ptr<Stored>>(m, "SwapRecord")  // one per storage: the saves of it share it
       .def_readonly("nbytes", &Stored::nbytes)
       .def_readonly("label", &Stored::label);
