@@ -5,6 +5,8 @@ hooks entered before the plan's (Note: [scope hooks chain outward]), the same ac
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -75,3 +77,26 @@ def test_layer_pack_in_cpp_matches_the_python_hooks(spec, layers, overlap, outer
     assert cpp["peak"] == python["peak"]
     assert cpp["outer"] == python["outer"]
     assert (cpp["outer"][0] > 0) == outer
+
+
+@pytest.mark.parametrize("outer", [False, True], ids=["alone", "outer hooks"])
+def test_a_model_dropped_with_its_plan_applied_is_collected(outer):
+    """What the C++ packer holds of Python (the Python pack, the parameter storages' source, the hooks entered
+    before) is not seen by the garbage collector: it must not close a cycle through the model. A model dropped
+    with its plan still applied, after a step, is collected."""
+    import gc
+    import weakref
+
+    bundle = build_model("llama-tiny", seed=0)
+    plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1,
+                           "decisions": {f"layers.{i}": {"action": "swap", "backward_prefetch": 1} for i in range(3)}})
+    handle = optimize(bundle.model, plan=plan)
+    handle.__enter__()
+    hooks = _Outer()
+    with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack) if outer else contextlib.nullcontext():
+        bundle.loss(bundle.batch(seed=0)).backward()
+    assert handle._executor.swaps.layer_hooks is not None
+    model = weakref.ref(bundle.model)
+    del bundle, handle
+    gc.collect()
+    assert model() is None

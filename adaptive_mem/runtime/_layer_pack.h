@@ -11,7 +11,9 @@
 // where it has a grad_fn, Note: [pack without a cycle]; passed to the hooks entered before, Note: [scope hooks
 // chain outward]); an input's storage (a swap unit's output of an earlier layer) and any tensor subclass go to the
 // Python pack, which knows their producers. The unpack serves the store's handles and plain tensors itself and
-// hands the rest to the Python unpack. Each call counts itself in FOOTPRINT as the Python hooks do.
+// hands the rest to the Python unpack. Each call counts itself in FOOTPRINT as the Python hooks do. The garbage
+// collector does not see what the packer holds: it holds the plan's objects only weakly (_layer_pack.py: weakly)
+// and the call's sources and outer hooks until the call ends (release).
 // tests/test_layer_pack.py checks the gradients, the bytes offloaded and the calls against the Python hooks.
 
 struct LayerPacker {
@@ -116,6 +118,12 @@ void bind_layer_packer(py::module_& m) {
           },
           py::arg("inputs"), py::arg("kept"), py::arg("label"), py::arg("trigger"), py::arg("limit"),
           py::arg("outer_pack"), py::arg("outer_unpack"))
+      .def("release",
+           [](LayerPacker& p) {  // the layer call ended: nothing of it stays held (the collector sees none of it)
+             p.inputs.clear();
+             p.kept.clear();
+             p.kept_source = p.outer_pack = p.outer_unpack = py::none();
+           })
       .def("pack", &LayerPacker::pack)
       .def("unpack", &LayerPacker::unpack);
 }

@@ -3,6 +3,8 @@ C++] in ``_layer_pack.h``), for :class:`~adaptive_mem.runtime._op_swap.OpSwaps`.
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any, Callable, Iterable
 
 import torch
@@ -11,7 +13,7 @@ from ._footprint import FOOTPRINT
 from ._host_marks import extension
 from ._swap_scopes import Outer
 
-__all__ = ["LayerHooks"]
+__all__ = ["LayerHooks", "weakly"]
 
 
 class LayerHooks:
@@ -20,7 +22,7 @@ class LayerHooks:
     def __init__(self, engine: Any, pack: Callable[[Any], Any], unpack: Callable[[Any], Any]) -> None:
         """``pack``/``unpack``: the Python hooks, which take what the packer leaves to them (and count it)."""
         self.engine = engine
-        self.packer = extension().LayerPacker(engine.store, FOOTPRINT, pack, unpack, Outer)
+        self.packer = extension().LayerPacker(engine.store, FOOTPRINT, weakly(pack), unpack, Outer)
 
     @staticmethod
     def available(engine: Any, opaque: bool) -> bool:
@@ -39,3 +41,22 @@ class LayerHooks:
         hooks = torch.autograd.graph.saved_tensors_hooks(self.packer.pack, self.packer.unpack)
         hooks.__enter__()
         return hooks
+
+    def exit(self, hooks: Any) -> None:
+        """The layer call's hooks leave; the packer lets go of the call's sources and outer hooks."""
+        hooks.__exit__(None, None, None)
+        self.packer.release()
+
+
+def weakly(method: Callable[..., Any], *args: Any) -> Callable[..., Any]:
+    """``method(*args, ...)`` through a weak reference to its object, for the C++ packer to hold: the garbage
+    collector does not see into it, so a strong reference there would keep the plan, and the model its hooks hang
+    on, alive for good."""
+    return functools.partial(_call_weak, weakref.WeakMethod(method), *args)
+
+
+def _call_weak(ref: weakref.WeakMethod, *args: Any) -> Any:
+    method = ref()
+    if method is None:
+        raise RuntimeError("a whole-layer swap's hooks ran after their plan was removed")
+    return method(*args)

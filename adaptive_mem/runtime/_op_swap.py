@@ -41,15 +41,15 @@ from search import Action
 
 from ._escapes import Escapes
 from ._footprint import FOOTPRINT
-from ._layer_pack import LayerHooks
+from ._layer_pack import LayerHooks, weakly
 from ._op_level import eager_only, planned_forward
 from ._plan_context import PlanContext
 from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._native_swap import is_handle
 from ._swap_engine import local_shard, no_cycle
 from ._scope_marks import ScopeMarks
-from ._swap_scopes import (Outer, Tracker, outer_hooks, outputs, pass_outward, produced, scope_modules, storage_keys,
-                           whole_layers)
+from ._swap_scopes import (Outer, Tracker, backward_trigger, outer_hooks, outputs, pass_outward, produced,
+                           scope_modules, storage_keys, whole_layers)
 
 __all__ = ["OpSwaps"]
 
@@ -199,13 +199,16 @@ class OpSwaps:
         if self.layer_hooks is None:
             self.layer_hooks = LayerHooks(self.ctx.engine, self.pack, self.unpack)
         self.outer = outer_hooks()  # Note: [scope hooks chain outward]
-        self.hooks = self.layer_hooks.enter(whole, self.inputs, functools.partial(self._frozen, whole[0]), self.outer)
+        self.hooks = self.layer_hooks.enter(whole, self.inputs, weakly(self._frozen, whole[0]), self.outer)
         self.native = True
 
     def _exit_hooks(self) -> None:
         if self.hooks is not None:
-            hooks, self.hooks, self.native = self.hooks, None, False
-            hooks.__exit__(None, None, None)
+            hooks, self.hooks, native, self.native = self.hooks, None, self.native, False
+            if native:
+                self.layer_hooks.exit(hooks)
+            else:
+                hooks.__exit__(None, None, None)
 
     def _enter_hooks(self) -> None:
         if self.hooks is None:
@@ -299,7 +302,7 @@ class OpSwaps:
             t = next((x for x in tensor_leaves(outputs(output)) if x.requires_grad), None)
         if t is not None:
             FOOTPRINT.trigger += 1
-            t.register_hook(functools.partial(_trigger, engine, index))
+            t.register_hook(functools.partial(backward_trigger, engine, index))
 
     # ================================================================== saved tensors
     def swap_info(self, unit: str) -> tuple[int, int] | None:
@@ -393,7 +396,3 @@ class OpSwaps:
         entry = self.pushed.pop()
         for ctx in reversed(entry or ()):
             ctx.__exit__(None, None, None)
-
-
-def _trigger(engine: Any, index: int, grad: torch.Tensor) -> None:
-    engine.on_backward(index)

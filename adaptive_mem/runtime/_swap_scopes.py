@@ -19,7 +19,7 @@ from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 from ._swap_engine import local_shard
 
-__all__ = ["Outer", "Tracker", "outer_hooks", "outputs", "pass_outward", "produced", "scope_modules",
+__all__ = ["Outer", "Tracker", "backward_trigger", "outer_hooks", "outputs", "pass_outward", "produced", "scope_modules",
            "storage_keys", "whole_layers", "whole_swap_prefetch"]
 
 
@@ -62,6 +62,12 @@ def outer_hooks() -> tuple[Callable, Callable] | None:
     """The saved-tensor hooks entered now, which hooks entered inside them pass on to (Note: [scope hooks chain
     outward])."""
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def backward_trigger(engine: Any, index: int, grad: torch.Tensor) -> None:
+    """A layer output's gradient hook: backward begins layer ``index`` (Note: [triggers where due] in
+    ``_swap_engine.py``)."""
+    engine.on_backward(index)
 
 
 def pass_outward(t: torch.Tensor, outer: tuple[Callable, Callable] | None) -> Any:
