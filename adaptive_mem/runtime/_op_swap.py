@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from profiler.naming import is_compile_wrapper
-from profiler.tracing import tensor_leaves, with_code
+from profiler.tracing import tensor_leaves
 from search import Action
 
 from ._escapes import Escapes
