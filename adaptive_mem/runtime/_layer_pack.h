@@ -19,7 +19,7 @@
 struct LayerPacker {
   std::shared_ptr<Store> store;
   py::object footprint;                 // FOOTPRINT: the counters the Python hooks increment
-  py::object python_pack, python_unpack;  // the Python hooks' functions, without their counting
+  py::object python_pack, python_unpack;  // the Python hooks, for what they take (they count it themselves)
   py::object outer_pack, outer_unpack, outer_type;  // the hooks entered before (None: none), the Outer type
   py::object tensor_type, parameter_type;
   std::unordered_set<c10::StorageImpl*> inputs, kept;  // the call's inputs' storages; parameters' and buffers'
