@@ -26,8 +26,9 @@ class LayerHooks:
 
     @staticmethod
     def available(engine: Any, opaque: bool) -> bool:
-        """The engine has a native store and the model no opaque region (where the Python pack decides)."""
-        return engine is not None and engine.store is not None and not opaque and extension() is not None
+        """The engine has a native store (so the extension is loaded) and the model no opaque region (where the Python
+        pack decides)."""
+        return engine.store is not None and not opaque
 
     def enter(self, whole: tuple[int, int, str], inputs: Iterable[int], kept: Callable[[], Iterable[int]],
               outer: tuple[Callable, Callable] | None) -> Any:
