@@ -184,3 +184,37 @@ def test_whole_layer_swap_packs_without_a_dispatch_mode():
     assert offloaded > 0
     assert counts["dispatch"] == 0
     assert saved <= counts["pack"] <= 2 * saved
+
+
+def _layers_hooked(handle_model: torch.nn.Module) -> list[bool]:
+    """Per layer of llama-tiny: whether the op-level swap path's layer hooks are on it."""
+    from adaptive_mem.runtime._op_swap import OpSwaps
+    mine = (OpSwaps._layer_pre, OpSwaps._layer_post)
+    return [any(getattr(getattr(getattr(h, "__wrapped__", None), "func", None), "__func__", None) in mine
+                for h in (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()))
+            for layer in handle_model.layers]
+
+
+@pytest.mark.parametrize("decisions, hooked", [
+    ({"layers.0.feed_forward.w1.matmul": SWAP}, 2),
+    ({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 2}}, 3),
+    ({"layers.0.feed_forward.w1.matmul": {"action": "swap", "backward_prefetch": 0}}, 1),
+    ({"layers.1.attention": SWAP, "layers.0.feed_forward.mul": SWAP}, 3),
+    ({"layers.0": {"action": "recompute", "swap_input": True, "backward_prefetch": 1},
+      "layers.1.feed_forward.mul": {"action": "swap", "backward_prefetch": 0}}, 2),
+    ({"layers.2": SWAP}, 4),
+    ({"norm": SWAP}, 4),  # runs after the layers: every layer tells it so
+], ids=["one-unit", "prefetch-2", "on-demand", "two-layers", "swapped-input", "last-trigger-is-the-model", "outside"])
+def test_layer_hooks_stop_at_the_last_trigger(decisions, hooked, monkeypatch):
+    """Note: [layer hooks up to the last trigger]: the layer hooks are on the layers up to the highest a swap's
+    backward trigger can be due at (its layer plus its prefetch), none above; the steps stay the plain ones bit for
+    bit (``_counts``), capped too, where deferred reloads trigger at the layers below."""
+    bundle = build_model("llama-tiny", seed=0)
+    plan = Plan.from_dict({"format": "adaptive-mem-plan", "version": 1, "decisions": decisions})
+    with optimize(bundle.model, plan=plan):
+        assert _layers_hooked(bundle.model) == [i < hooked for i in range(4)]
+    assert not any(_layers_hooked(bundle.model))
+    monkeypatch.setattr("adaptive_mem.runtime._copier.INLINE_BYTES", 0)
+    for cap in (None, 1 << 40):
+        _, offloaded = _counts(decisions, cap=cap)
+        assert offloaded > 0

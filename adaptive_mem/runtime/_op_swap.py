@@ -2,7 +2,8 @@
 (:class:`_Tracker`) records the unit that produced each storage, and saved-tensor hooks offload the saved tensors
 whose producer is a swap unit through the :class:`SwapEngine`. Hooks on the modules that hold swap units push
 those hooks around their calls (Note: [swap scopes]); hooks on the model and on each layer begin and end a
-forward and trigger prefetches in backward (a tensor hook on each layer's output, and on the model's output).
+forward and trigger prefetches in backward (a tensor hook on a layer's output, and on the model's output; on the
+layers up to the last a trigger can be due at: Note: [layer hooks up to the last trigger] in ``_swap_scopes.py``).
 Everything here runs outside dynamo (Note: [compile honoured] in ``_op_level.py``).
 
 Note: [swap scopes]. The tracker and the saved-tensor hooks exist only where a swap decision needs them: inside
@@ -48,8 +49,8 @@ from ._resolve import OUTSIDE_BEFORE, LayerMode, decide
 from ._native_swap import is_handle
 from ._swap_engine import local_shard, no_cycle
 from ._scope_marks import ScopeMarks
-from ._swap_scopes import (Outer, Tracker, backward_trigger, outer_hooks, outputs, pass_outward, produced,
-                           scope_modules, storage_keys, whole_layers)
+from ._swap_scopes import (Outer, Tracker, backward_trigger, hooked_layers, outer_hooks, outputs, pass_outward,
+                           produced, scope_modules, storage_keys, whole_layers)
 
 __all__ = ["OpSwaps"]
 
@@ -107,7 +108,7 @@ class OpSwaps:
         if not self.graph_mode:
             ctx.handles.append(model.register_forward_pre_hook(eager_only(self._root_pre)))
             ctx.handles.append(model.register_forward_hook(eager_only(self._root_post), always_call=True))
-        for i, layer in enumerate(ctx.layers):
+        for i, layer in enumerate(ctx.layers[:hooked_layers(ctx, graph_mode=self.graph_mode)]):
             pre, post = (eager_only(functools.partial(f, i)) for f in (self._layer_pre, self._layer_post))
             for handle in (layer.register_forward_pre_hook(pre), layer.register_forward_hook(post, always_call=True)):
                 ctx.handles.append(handle)

@@ -13,14 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from profiler.naming import named_modules
 from profiler.tracing import tensor_leaves
 from search import Action
+from search.planning import matches
 
 from ._footprint import FOOTPRINT
 from ._plan_context import PlanContext
 from ._resolve import LayerMode, decide
 from ._swap_engine import local_shard
 
-__all__ = ["Outer", "Tracker", "backward_trigger", "outer_hooks", "outputs", "pass_outward", "produced", "scope_modules",
-           "storage_keys", "whole_layers", "whole_swap_prefetch"]
+__all__ = ["Outer", "Tracker", "backward_trigger", "hooked_layers", "outer_hooks", "outputs", "pass_outward", "produced",
+           "scope_modules", "storage_keys", "whole_layers", "whole_swap_prefetch"]
 
 
 class Tracker(TorchDispatchMode):
@@ -101,6 +102,30 @@ def scope_modules(ctx: PlanContext) -> list[nn.Module]:
             path = path.rpartition(".")[0]
         found.update(_called(path, modules.get(path, ctx.model)))
     return [m for p, m in found.items() if not any(q != p and (q == "" or p.startswith(q + ".")) for q in found)]
+
+
+def hooked_layers(ctx: PlanContext, *, graph_mode: bool = False) -> int:
+    """Note: [layer hooks up to the last trigger]. How many of the first layers get the op-level swap path's layer
+    hooks. Those hooks tell the swaps of a layer where its call begins and ends, and give its output the backward
+    trigger a reload may be due at: a swap's layer plus its backward prefetch, or with a device cap a lower layer
+    (a deferred reload moves down, Note: [budget-aware prefetch]), never a higher one. So the layers above the
+    highest layer a swap target covers or lies in, plus its prefetch, need none: a plan swapping in the first
+    layers of a deep model costs no Python call in the others. Every layer gets them where a swap target lies
+    outside the layers (its units run before or after them) or the model is compiled whole.
+    tests/test_footprint_swap.py counts the hooks."""
+    n = ctx.num_layers
+    if graph_mode or ctx.res.layers is None:
+        return n
+    paths = [ctx.res.layers.layer_path(i) for i in range(n)]
+    top = -1
+    for target, decision in ctx.plan.decisions.items():
+        if decision.action is not Action.SWAP and not decision.swap_input:
+            continue
+        held = [i for i, p in enumerate(paths) if matches(target, p) or target.startswith(p + ".")]
+        if not held:
+            return n
+        top = max(top, held[-1] + decision.backward_prefetch)
+    return min(top + 1, n)
 
 
 def whole_layers(ctx: PlanContext, scopes: list[nn.Module]) -> list[tuple[nn.Module, tuple[int, int, str]]]:
