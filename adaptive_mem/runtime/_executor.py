@@ -8,8 +8,9 @@ What gets installed, and only when the plan needs it (an all-keep plan installs 
   each saved storage: module pre/post hooks drive a :class:`UnitNamer`, a
   dispatch mode records producing units of swap storages, and saved-tensor
   hooks hand those to the :class:`SwapEngine`;
-* prefetch triggers are tensor hooks on each layer's output (backward
-  begins that layer) and on the model output (backward begins);
+* prefetch triggers are tensor hooks on a layer's output (backward begins
+  that layer: only where a reload is due, Note: [triggers where due] in ``_swap_engine.py``)
+  and on the model output (backward begins);
 * with swaps, the model's forward runs outside dynamo (an instance ``forward``;
   Note: [compile honoured] in ``_op_level.py``); compiled blocks get a wrapper around their
   compiled call that keeps them compiled (Note: [swap around compiled blocks] in ``_compiled_swap.py``).
