@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from adaptive_mem import DeviceMemory, build_model, optimize
+from adaptive_mem.runtime._op_swap import OpSwaps
 from adaptive_mem.runtime._swap_engine import SwapEngine
 from adaptive_mem.runtime._footprint import FOOTPRINT
 from search import Plan
@@ -186,13 +187,12 @@ def test_whole_layer_swap_packs_without_a_dispatch_mode():
     assert saved <= counts["pack"] <= 2 * saved
 
 
-def _layers_hooked(handle_model: torch.nn.Module) -> list[bool]:
+def _layers_hooked(model: torch.nn.Module) -> list[bool]:
     """Per layer of llama-tiny: whether the op-level swap path's layer hooks are on it."""
-    from adaptive_mem.runtime._op_swap import OpSwaps
     mine = (OpSwaps._layer_pre, OpSwaps._layer_post)
     return [any(getattr(getattr(getattr(h, "__wrapped__", None), "func", None), "__func__", None) in mine
                 for h in (*layer._forward_pre_hooks.values(), *layer._forward_hooks.values()))
-            for layer in handle_model.layers]
+            for layer in model.layers]
 
 
 @pytest.mark.parametrize("decisions, hooked", [
